@@ -1,0 +1,42 @@
+"""Every message on the OpenTinker bus, as msgspec Structs (MessagePack on the wire).
+
+One module per message family; subject and stream names live in `subjects`.
+Imports only msgspec and the standard library, so clients can depend on it freely.
+"""
+
+from opentinker.schemas.base import SCHEMA_VERSION, Message
+from opentinker.schemas.codec import decode, encode, schema_name
+from opentinker.schemas.control import (
+    CancelJob,
+    CancelReply,
+    JobAssigned,
+    JobRecord,
+    JobState,
+    JobStateChanged,
+    SubmitJob,
+    SubmitReply,
+)
+from opentinker.schemas.deadletter import DeadLetter
+from opentinker.schemas.env import (
+    EnvCloseRequest,
+    EnvInitReply,
+    EnvInitRequest,
+    EnvResetReply,
+    EnvResetRequest,
+    EnvStepReply,
+    EnvStepRequest,
+)
+from opentinker.schemas.job import JobSpec, SamplingParams, SpecError, validate_job_spec
+from opentinker.schemas.metrics import Metrics
+from opentinker.schemas.rollout import RolloutRequest, Trajectory, TurnRecord
+from opentinker.schemas.weights import WeightsPublished
+
+__all__ = [
+    "SCHEMA_VERSION", "Message", "decode", "encode", "schema_name",
+    "CancelJob", "CancelReply", "JobAssigned", "JobRecord", "JobState", "JobStateChanged",
+    "SubmitJob", "SubmitReply", "DeadLetter",
+    "EnvCloseRequest", "EnvInitReply", "EnvInitRequest", "EnvResetReply", "EnvResetRequest",
+    "EnvStepReply", "EnvStepRequest",
+    "JobSpec", "SamplingParams", "SpecError", "validate_job_spec",
+    "Metrics", "RolloutRequest", "Trajectory", "TurnRecord", "WeightsPublished",
+]

@@ -1,0 +1,14 @@
+"""Dead letters: what a service could not decode or process, with the reason."""
+
+from opentinker.schemas.base import Message
+
+
+class DeadLetter(Message, frozen=True, kw_only=True):
+    """Published on `ot.dlq.<service>` (stream OT_DLQ). `payload` is the original bytes."""
+
+    service: str
+    subject: str
+    reason: str
+    payload: bytes
+    headers: dict[str, str] = {}
+    time_s: float = 0.0

@@ -1,0 +1,64 @@
+"""Environment RPC (rollout -> envhost), NATS core request/reply.
+
+Init and reset go to the env's queue group (`ot.env.<env>.init` / `.reset`); the host
+that answers a reset owns the episode, and its steps go to `ot.env.host.<host_id>.step`.
+"""
+
+from typing import Any
+
+import msgspec
+
+from opentinker.schemas.base import Message
+
+
+class EnvInitRequest(Message, frozen=True, kw_only=True):
+    """Make a group's initial state: `generate_initial_state(seed=seed)`."""
+
+    env: str
+    env_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    seed: int = 0
+    split: str = "train"
+
+
+class EnvInitReply(Message, frozen=True, kw_only=True):
+    state: dict[str, Any] = msgspec.field(default_factory=dict)
+    error: str = ""
+
+
+class EnvResetRequest(Message, frozen=True, kw_only=True):
+    """Start an episode: construct the env with `env_args`, call `reset(**state)`."""
+
+    env: str
+    episode_id: str
+    env_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    state: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class EnvResetReply(Message, frozen=True, kw_only=True):
+    """The episode's opening: system prompt and first user message. `host_id` is where
+    its steps go."""
+
+    host_id: str = ""
+    system_prompt: str = ""
+    user_message: str = ""
+    error: str = ""
+
+
+class EnvStepRequest(Message, frozen=True, kw_only=True):
+    episode_id: str
+    action: str
+
+
+class EnvStepReply(Message, frozen=True, kw_only=True):
+    """`env.step(action)`. On an exception in user code, `error` holds the reason and
+    `done` is true (the episode ends; the job goes on)."""
+
+    observation: str = ""
+    reward: float = 0.0
+    done: bool = True
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+    error: str = ""
+
+
+class EnvCloseRequest(Message, frozen=True, kw_only=True):
+    episode_id: str

@@ -1,0 +1,88 @@
+"""Rollout requests (learner -> rollout) and trajectories (rollout -> learner, recorder).
+
+A RolloutRequest asks for one GRPO group: `group_size` episodes that share one initial
+environment state. A Trajectory is one episode.
+"""
+
+from typing import Any
+
+import msgspec
+
+from opentinker.schemas.base import Message
+from opentinker.schemas.job import SamplingParams
+
+
+class RolloutRequest(Message, frozen=True, kw_only=True):
+    """One group of episodes to sample (subject `ot.job.<id>.rollout`).
+
+    `policy_version` is the newest version the learner had published when it asked;
+    a worker samples with that version or a newer one. `group_seed` fixes the group's
+    initial state (the env's `generate_initial_state(seed=...)`).
+    """
+
+    job_id: str
+    request_id: str
+    step: int
+    group_index: int
+    group_seed: int
+    policy_version: int
+    model: str
+    env: str
+    env_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    group_size: int = 8
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    engine: str = "auto"
+    split: str = "train"
+
+
+class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn of an episode. `[gen_start, gen_end)` indexes the policy tokens of this
+    turn in Trajectory.token_ids; the observation that followed (if any) is
+    `[gen_end, obs_end)`. Times in milliseconds."""
+
+    gen_start: int
+    gen_end: int
+    obs_end: int
+    reward: float = 0.0
+    policy_version: int = 0
+    finish_reason: str = ""
+    action: str = ""
+    observation: str = ""
+    gen_ms: float = 0.0
+    env_ms: float = 0.0
+
+
+class Trajectory(Message, frozen=True, kw_only=True):
+    """One episode, token-exact.
+
+    token_ids:   [seq] int   every token the engine saw or produced, in order
+    loss_mask:   [seq] int   1 = policy (sampled) token, 0 = prompt/observation token
+    logprobs:    [seq] float sampler logprob of each policy token, 0.0 elsewhere
+    prompt_len:  the length of the first prompt (system + first user message)
+    reward:      the episode return (sum of per-turn rewards)
+    policy_version: the oldest policy version that produced any turn
+    error:       non-empty when the episode ended on an environment or engine error
+    """
+
+    job_id: str
+    request_id: str
+    episode_id: str
+    step: int
+    group_index: int
+    group_size: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    prompt_len: int
+    turns: list[TurnRecord]
+    reward: float
+    policy_version: int
+    env: str = ""
+    split: str = "train"
+    env_info: dict[str, Any] = msgspec.field(default_factory=dict)
+    error: str = ""
+    worker: str = ""
+    engine: str = ""
+    gen_ms: float = 0.0
+    env_ms: float = 0.0
+    created_s: float = 0.0

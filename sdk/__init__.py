@@ -1,0 +1,8 @@
+"""The OpenTinker client SDK: submit jobs, follow their metrics, write environments.
+
+Imports schemas and the NATS client only: never torch or vLLM.
+"""
+
+from opentinker.sdk.env import AbstractGame, StepResult
+
+__all__ = ["AbstractGame", "StepResult"]

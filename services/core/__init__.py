@@ -1,0 +1,2 @@
+"""What every service shares: the bus client, typed config, the embedded NATS server
+and model resolution. No service logic lives here."""

@@ -1,0 +1,257 @@
+"""The NATS JetStream client every service uses.
+
+- `Bus.connect` then `ensure_topology` creates every stream, KV bucket and object
+  store in `schemas.subjects` idempotently (safe to call from every process).
+- `publish` sets `Nats-Msg-Id` (JetStream deduplication), the schema name, the
+  content type and a W3C `traceparent`.
+- `consume` runs a durable pull consumer: each message is decoded to its schema and
+  handed to the handler; it is acked only after the handler returns. A message that
+  cannot be decoded goes to `ot.dlq.<service>` with the reason, is terminated, and the
+  loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import BadRequestError, NotFoundError
+
+from opentinker.schemas import DeadLetter, decode, encode, schema_name
+from opentinker.schemas import subjects as S
+
+log = logging.getLogger("opentinker.bus")
+T = TypeVar("T", bound=msgspec.Struct)
+
+# Weights and checkpoints go through the object store in large chunks: with the
+# default 128 KiB chunks a get of tens of MB is slow (DESIGN.md, measured).
+OBJ_CHUNK_BYTES = 4 * 1024 * 1024
+DUPLICATE_WINDOW_S = 120.0
+
+
+def new_traceparent() -> str:
+    """A fresh W3C trace-context `traceparent` (version 00, sampled)."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+def child_traceparent(parent: str | None) -> str:
+    """Same trace id as `parent` with a new span id; a new trace if parent is unusable."""
+    parts = (parent or "").split("-")
+    if len(parts) == 4 and len(parts[1]) == 32:
+        return f"00-{parts[1]}-{secrets.token_hex(8)}-{parts[3]}"
+    return new_traceparent()
+
+
+class Bus:
+    """One NATS connection plus its JetStream context, KV buckets and object stores."""
+
+    def __init__(self, nc: nats.NATS, service: str):
+        self.nc = nc
+        self.js = nc.jetstream(timeout=30)
+        self.service = service
+        self._kv: dict[str, Any] = {}
+        self._obj: dict[str, Any] = {}
+
+    @classmethod
+    async def connect(cls, url: str | None = None, service: str = "client", **kw: Any) -> Bus:
+        """Connect to `url` (default `$NATS_URL`, then nats://127.0.0.1:4222).
+
+        Credentials come from the URL (nats://user:pass@host) or `$NATS_CREDS`
+        (a creds file path), never from a command line. Raises nats.errors.NoServersError
+        when no server answers.
+        """
+        url = url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
+        creds = os.environ.get("NATS_CREDS")
+        if creds:
+            kw.setdefault("user_credentials", creds)
+        nc = await nats.connect(
+            url, name=f"opentinker-{service}", max_reconnect_attempts=-1,
+            connect_timeout=5, allow_reconnect=True, **kw,
+        )
+        return cls(nc, service)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # -- topology -------------------------------------------------------------
+
+    async def ensure_topology(self) -> None:
+        """Create (or update) every stream, KV bucket and object store. Idempotent."""
+        for name, (subjects, retention) in S.STREAMS.items():
+            cfg = api.StreamConfig(
+                name=name, subjects=subjects,
+                retention=api.RetentionPolicy.WORK_QUEUE if retention == "workqueue"
+                else api.RetentionPolicy.LIMITS,
+                storage=api.StorageType.FILE,
+                duplicate_window=DUPLICATE_WINDOW_S,
+                max_msg_size=-1,
+            )
+            try:
+                await self.js.add_stream(cfg)
+            except BadRequestError:
+                await self.js.update_stream(cfg)
+        await self.kv(S.KV_JOBS)
+        await self.objects(S.OBJ_WEIGHTS)
+        await self.objects(S.OBJ_CHECKPOINTS)
+
+    async def kv(self, bucket: str):
+        """The KV bucket `bucket`, created if missing."""
+        if bucket not in self._kv:
+            try:
+                self._kv[bucket] = await self.js.key_value(bucket)
+            except (NotFoundError, nats.js.errors.BucketNotFoundError):
+                self._kv[bucket] = await self.js.create_key_value(bucket=bucket, history=8)
+        return self._kv[bucket]
+
+    async def objects(self, bucket: str):
+        """The object store `bucket`, created if missing."""
+        if bucket not in self._obj:
+            try:
+                self._obj[bucket] = await self.js.object_store(bucket)
+            except (NotFoundError, nats.js.errors.BucketNotFoundError):
+                self._obj[bucket] = await self.js.create_object_store(bucket=bucket)
+        return self._obj[bucket]
+
+    async def put_object(self, bucket: str, name: str, data: bytes) -> None:
+        """Store `data` under `name` in large chunks."""
+        store = await self.objects(bucket)
+        meta = api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=OBJ_CHUNK_BYTES))
+        await store.put(name, data, meta=meta)
+
+    async def get_object(self, bucket: str, name: str) -> bytes:
+        """The bytes stored under `name`. Raises nats.js.errors.ObjectNotFoundError."""
+        store = await self.objects(bucket)
+        return (await store.get(name)).data
+
+    # -- publish / request ----------------------------------------------------
+
+    def headers(self, msg: msgspec.Struct, msg_id: str | None, traceparent: str | None) -> dict[str, str]:
+        h = {
+            S.H_SCHEMA: schema_name(type(msg)),
+            S.H_CONTENT_TYPE: S.CONTENT_TYPE,
+            S.H_TRACEPARENT: child_traceparent(traceparent),
+        }
+        if msg_id:
+            h[S.H_MSG_ID] = msg_id
+        return h
+
+    async def publish(self, subject: str, msg: msgspec.Struct, msg_id: str | None = None,
+                      traceparent: str | None = None) -> api.PubAck:
+        """Publish `msg` to a JetStream subject and wait for the stream's ack.
+
+        `msg_id` (Nats-Msg-Id) makes a retried publish a no-op within the duplicate
+        window. Raises nats.js.errors.NoStreamResponseError if no stream holds `subject`.
+        """
+        return await self.js.publish(subject, encode(msg), headers=self.headers(msg, msg_id, traceparent))
+
+    async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
+        """Publish on core NATS (no persistence), for replies and notifications."""
+        await self.nc.publish(subject, encode(msg), headers=self.headers(msg, None, None))
+
+    async def request(self, subject: str, msg: msgspec.Struct, reply_type: type[T],
+                      timeout_s: float = 10.0, traceparent: str | None = None) -> T:
+        """Core request/reply: send `msg`, decode the answer as `reply_type`.
+
+        Raises nats.errors.NoRespondersError when nothing serves `subject`,
+        nats.errors.TimeoutError after `timeout_s`.
+        """
+        resp = await self.nc.request(subject, encode(msg), timeout=timeout_s,
+                                     headers=self.headers(msg, None, traceparent))
+        return decode(resp.data, reply_type)
+
+    async def serve(self, subject: str, kind: type[T],
+                    handler: Callable[[T, Msg], Awaitable[msgspec.Struct]],
+                    queue: str = "") -> Any:
+        """Answer requests on `subject` (queue group `queue`): decode to `kind`, reply
+        with what `handler` returns. Undecodable requests are dead-lettered and get no
+        reply; a handler exception is logged and the service keeps serving."""
+
+        async def cb(m: Msg) -> None:
+            try:
+                req = decode(m.data, kind)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                await self.dead_letter(m, f"cannot decode {kind.__name__}: {e}")
+                return
+            try:
+                reply = await handler(req, m)
+            except Exception:
+                log.exception("handler for %s failed", subject)
+                return
+            if m.reply:
+                await self.nc.publish(m.reply, encode(reply),
+                                      headers=self.headers(reply, None, (m.headers or {}).get(S.H_TRACEPARENT)))
+
+        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    async def dead_letter(self, m: Msg, reason: str) -> None:
+        """Record an unprocessable message on `ot.dlq.<service>` with the reason."""
+        log.warning("dead-letter %s: %s", m.subject, reason)
+        rec = DeadLetter(service=self.service, subject=m.subject, reason=reason,
+                         payload=bytes(m.data), headers=dict(m.headers or {}), time_s=time.time())
+        await self.publish(S.dead_letter(self.service), rec)
+
+    # -- consume --------------------------------------------------------------
+
+    async def pull(self, stream: str, durable: str, filter_subject: str,
+                   ack_wait_s: float = 60.0, max_deliver: int = -1,
+                   deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL):
+        """A durable pull subscription on `stream` (created or bound)."""
+        cfg = api.ConsumerConfig(
+            durable_name=durable, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
+            max_deliver=max_deliver, filter_subject=filter_subject, deliver_policy=deliver_policy,
+            max_ack_pending=10_000,
+        )
+        return await self.js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=cfg)
+
+    async def fetch(self, sub, batch: int = 1, timeout_s: float = 1.0) -> list[Msg]:
+        """Up to `batch` messages, or [] when none arrive within `timeout_s`."""
+        try:
+            return await sub.fetch(batch, timeout=timeout_s)
+        except nats.errors.TimeoutError:
+            return []
+
+    async def decode_or_dead_letter(self, m: Msg, kind: type[T]) -> T | None:
+        """Decode `m` as `kind`; on failure dead-letter it, terminate it (no
+        redelivery), and return None."""
+        try:
+            return decode(m.data, kind)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            await self.dead_letter(m, f"cannot decode {kind.__name__}: {e}")
+            await m.term()
+            return None
+
+    async def consume(self, sub, kind: type[T], handler: Callable[[T, Msg], Awaitable[None]],
+                      stop: asyncio.Event, batch: int = 16, timeout_s: float = 1.0) -> None:
+        """Run `handler` on every message of `sub` until `stop` is set. Acks after the
+        handler returns; a handler exception naks the message (JetStream redelivers)."""
+        while not stop.is_set():
+            for m in await self.fetch(sub, batch, timeout_s):
+                item = await self.decode_or_dead_letter(m, kind)
+                if item is None:
+                    continue
+                try:
+                    await handler(item, m)
+                except Exception:
+                    log.exception("handler failed on %s; will be redelivered", m.subject)
+                    await m.nak(delay=2.0)
+                    continue
+                await m.ack()
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set `stop` (nats.py's examples' pattern)."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)

@@ -1,0 +1,94 @@
+"""Typed service settings: defaults, then a TOML file, then `OPENTINKER_*` environment
+variables, then CLI overrides (`key=value`). No interpolation. `--print-config` in any
+service prints the result."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+def default_home() -> str:
+    """Where OpenTinker keeps models, caches and data: $OPENTINKER_HOME or
+    ~/.cache/opentinker."""
+    return os.environ.get("OPENTINKER_HOME") or str(Path.home() / ".cache" / "opentinker")
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Settings shared by every service (each reads the fields it needs)."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    home: str = msgspec.field(default_factory=default_home)
+    data_dir: str = ""            # trajectory log root; default <home>/data
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    worker_id: str = ""
+    log_level: str = "INFO"
+    recorder_flush_rows: int = 256
+    recorder_flush_s: float = 2.0
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.data_dir or Path(self.home) / "data")
+
+
+def _coerce(kind: Any, raw: str) -> Any:
+    return msgspec.convert(raw, kind, strict=False)
+
+
+def load_settings(toml_path: str | None = None, overrides: list[str] | None = None) -> Settings:
+    """Build Settings. Raises ValueError naming the bad key or value."""
+    data: dict[str, Any] = {}
+    if os.environ.get("NATS_URL"):
+        data["nats_url"] = os.environ["NATS_URL"]
+    if toml_path:
+        with open(toml_path, "rb") as f:
+            data.update(tomllib.load(f))
+    fields = {f.name: f.type for f in msgspec.structs.fields(Settings)}
+    for name, kind in fields.items():
+        env = os.environ.get(f"OPENTINKER_{name.upper()}")
+        if env is not None:
+            data[name] = _coerce(kind, env)
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"bad override {item!r}: expected KEY=VALUE with KEY in {sorted(fields)}")
+        data[key] = _coerce(fields[key], value)
+    try:
+        return msgspec.convert(data, Settings)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"bad settings: {e}") from None
+
+
+def setup_cache_dirs(home: str) -> None:
+    """Point torch/vLLM/HF/Triton caches into `home` instead of /tmp or ~."""
+    cache = Path(home) / "cache"
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("VLLM_CACHE_ROOT", "vllm"),
+                     ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "hf"),
+                     ("TORCH_EXTENSIONS_DIR", "torch_extensions"), ("XDG_CACHE_HOME", "xdg")):
+        os.environ.setdefault(var, str(cache / sub))
+
+
+def main_settings(service: str, argv: list[str] | None = None) -> Settings:
+    """Parse a service's command line: `[--config FILE] [--print-config] [KEY=VALUE ...]`."""
+    import argparse
+    import logging
+    import sys
+
+    p = argparse.ArgumentParser(prog=f"opentinker serve {service}")
+    p.add_argument("--config", help="TOML settings file")
+    p.add_argument("--print-config", action="store_true")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    settings = load_settings(args.config, args.overrides)
+    if args.print_config:
+        print(msgspec.json.format(msgspec.json.encode(settings)).decode())
+        sys.exit(0)
+    setup_cache_dirs(settings.home)
+    logging.basicConfig(level=settings.log_level,
+                        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+    return settings

