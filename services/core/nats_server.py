@@ -44,8 +44,14 @@ class NatsServer:
     def start(self, timeout_s: float = 15.0) -> NatsServer:
         """Start the server and wait until it accepts connections. Raises RuntimeError."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-               "-sd", str(self.store_dir), "--max_payload", "8MB", "-l", str(self.log_file)]
+        conf = self.store_dir / "nats-server.conf"
+        # 8 MB payloads: object-store chunks of weights and checkpoints are 4 MiB
+        conf.write_text(
+            f'listen: "127.0.0.1:{self.port}"\n'
+            "max_payload: 8MB\n"
+            f'jetstream {{ store_dir: "{self.store_dir / "js"}" }}\n'
+        )
+        cmd = [server_binary(), "-c", str(conf), "-l", str(self.log_file)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

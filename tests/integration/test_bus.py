@@ -1,0 +1,36 @@
+"""The bus against a real nats-server: dedup, ack-after-work, dead letters."""
+
+import asyncio
+
+import msgspec
+
+from opentinker.schemas import DeadLetter, Metrics, decode
+from opentinker.schemas import subjects as S
+
+
+async def test_publish_dedups_by_msg_id(bus, job_id):
+    m = Metrics(job_id=job_id, step=0, policy_version=0, values={"x": 1.0})
+    a = await bus.publish(S.job(job_id, "metrics"), m, msg_id=f"{job_id}-m0")
+    b = await bus.publish(S.job(job_id, "metrics"), m, msg_id=f"{job_id}-m0")
+    assert b.duplicate and not a.duplicate
+
+
+async def test_undecodable_goes_to_dead_letter_and_consumer_continues(bus, job_id):
+    subj = S.job(job_id, "metrics")
+    await bus.js.publish(subj, b"\xc1not msgpack")
+    await bus.publish(subj, Metrics(job_id=job_id, step=1, policy_version=1))
+    dlq = await bus.pull("OT_DLQ", f"dlq-{job_id}", S.dead_letter("test"),
+                         deliver_policy=__import__("nats").js.api.DeliverPolicy.NEW)
+    sub = await bus.pull("OT_METRICS", f"c-{job_id}", subj)
+    got: list[Metrics] = []
+    stop = asyncio.Event()
+
+    async def handle(m, raw):
+        got.append(m)
+        stop.set()
+
+    await asyncio.wait_for(bus.consume(sub, Metrics, handle, stop), 10)
+    assert [m.step for m in got] == [1]
+    msgs = await bus.fetch(dlq, 5, 5)
+    recs = [decode(m.data, DeadLetter) for m in msgs]
+    assert any(r.subject == subj and "Metrics" in r.reason for r in recs)
