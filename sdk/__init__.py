@@ -3,6 +3,7 @@
 Imports schemas and the NATS client only: never torch or vLLM.
 """
 
+from opentinker.sdk.client import Client, Job, JobFailed, SyncClient, SyncJob
 from opentinker.sdk.env import AbstractGame, StepResult
 
-__all__ = ["AbstractGame", "StepResult"]
+__all__ = ["AbstractGame", "Client", "Job", "JobFailed", "StepResult", "SyncClient", "SyncJob"]

@@ -80,8 +80,14 @@ class Bus:
         return cls(nc, service)
 
     async def close(self) -> None:
+        """Flush pending publishes and close. (Not drain: nats-py's drain waits forever on
+        a pull subscription that has fetched; our work is acked explicitly anyway.)"""
         if not self.nc.is_closed:
-            await self.nc.drain()
+            try:
+                await asyncio.wait_for(self.nc.flush(), 5)
+            except (asyncio.TimeoutError, nats.errors.ConnectionClosedError):
+                pass
+            await self.nc.close()
 
     # -- topology -------------------------------------------------------------
 
@@ -177,21 +183,50 @@ class Bus:
         reply; a handler exception is logged and the service keeps serving."""
 
         async def cb(m: Msg) -> None:
-            try:
-                req = decode(m.data, kind)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                await self.dead_letter(m, f"cannot decode {kind.__name__}: {e}")
-                return
-            try:
-                reply = await handler(req, m)
-            except Exception:
-                log.exception("handler for %s failed", subject)
-                return
-            if m.reply:
-                await self.nc.publish(m.reply, encode(reply),
-                                      headers=self.headers(reply, None, (m.headers or {}).get(S.H_TRACEPARENT)))
+            await self._answer(subject, kind, handler, m)
 
         return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    async def serve_concurrently(self, subject: str, kind: type[T],
+                                 handler: Callable[[T, Msg], Awaitable[msgspec.Struct]],
+                                 queue: str = "", max_in_flight: int = 64) -> Any:
+        """Like `serve`, but up to `max_in_flight` requests are handled at once.
+
+        nats.py runs one subscription's callbacks one after another, so with `serve` a
+        slow handler holds up every request behind it. Beyond `max_in_flight`, new
+        requests wait in the subscription's pending queue (backpressure)."""
+        slots = asyncio.Semaphore(max_in_flight)
+        running: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
+
+        async def run(m: Msg) -> None:
+            try:
+                await self._answer(subject, kind, handler, m)
+            finally:
+                slots.release()
+
+        async def cb(m: Msg) -> None:
+            await slots.acquire()
+            task = asyncio.create_task(run(m))
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    async def _answer(self, subject: str, kind: type[T],
+                      handler: Callable[[T, Msg], Awaitable[msgspec.Struct]], m: Msg) -> None:
+        try:
+            req = decode(m.data, kind)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            await self.dead_letter(m, f"cannot decode {kind.__name__}: {e}")
+            return
+        try:
+            reply = await handler(req, m)
+        except Exception:
+            log.exception("handler for %s failed", subject)
+            return
+        if m.reply:
+            await self.nc.publish(m.reply, encode(reply),
+                                  headers=self.headers(reply, None, (m.headers or {}).get(S.H_TRACEPARENT)))
 
     async def dead_letter(self, m: Msg, reason: str) -> None:
         """Record an unprocessable message on `ot.dlq.<service>` with the reason."""

@@ -30,6 +30,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "INFO"
     recorder_flush_rows: int = 256
     recorder_flush_s: float = 2.0
+    # JetStream redelivers a message the recorder took but did not ack (it crashed
+    # before its Parquet file was written) after this long.
+    recorder_ack_wait_s: float = 30.0
+    envhost_max_concurrency: int = 16  # user env calls running at once (threads)
+    envhost_episode_ttl_s: float = 600.0  # an episode untouched this long is dropped
 
     @property
     def log_dir(self) -> Path:

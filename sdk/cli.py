@@ -1,0 +1,326 @@
+"""`opentinker` command line.
+
+    opentinker up                      local NATS + every service (Ctrl-C stops all)
+    opentinker train CONFIG.toml [--up] [--set KEY=VALUE]   submit a job, show progress
+    opentinker jobs | cancel JOB       list jobs, cancel one
+    opentinker query "SQL"             DuckDB over the trajectory log (views trajectories, metrics, events)
+    opentinker envhost --env mod:Class serve a user environment
+    opentinker serve NAME [KEY=VALUE]  run one service (scheduler, rollout, learner, envhost, recorder)
+    opentinker data gsm8k              GSM8K JSONL -> Parquet for the gsm8k environment
+    opentinker models prepare [MODEL]  convert/resolve a model once
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import signal
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+SERVICE_NAMES = ("scheduler", "rollout", "learner", "envhost", "recorder")
+
+
+def _home() -> str:
+    from opentinker.services.core.config import default_home
+
+    return default_home()
+
+
+def _nats_url(args: argparse.Namespace) -> str:
+    from opentinker.sdk.stack import discover_nats_url
+
+    return args.nats_url or discover_nats_url(_home()) or "nats://127.0.0.1:4222"
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def load_job_config(path: str, sets: list[str]) -> dict[str, Any]:
+    """A job spec as plain data: the TOML file, then `--set a.b=value` overrides."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = _parse_value(raw)
+    return data
+
+
+# -- train ----------------------------------------------------------------------------
+
+
+async def _submit_with_retry(client, spec: dict, job_id: str, wait_s: float):
+    """Submit, retrying while no scheduler answers yet (the stack is starting)."""
+    import nats
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await client.submit(spec, job_id=job_id)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+
+
+async def _train(args: argparse.Namespace, nats_url: str) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from opentinker.sdk.client import Client
+    from opentinker.schemas.job import SpecError
+
+    console = Console()
+    spec = load_job_config(args.config, args.set)
+    client = await Client.connect(nats_url)
+    try:
+        try:
+            job = await _submit_with_retry(client, spec, args.job_id, 120 if args.up else 10)
+        except SpecError as e:
+            console.print(f"[red]refused:[/] {e}")
+            return 2
+        console.print(f"job [bold]{job.id}[/] submitted to {nats_url}")
+        if args.detach:
+            print(job.id)
+            return 0
+        rewards: list[float] = []
+        total = spec.get("steps", 20)
+        cols = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("reward {task.fields[reward]}"), TextColumn("step {task.fields[step_s]}"),
+                TimeElapsedColumn()]
+        with Progress(*cols, console=console, transient=False) as progress:
+            task = progress.add_task(job.id, total=total, reward="-", step_s="-")
+            async for m in job.metrics():
+                if m.split != "train":
+                    continue
+                v = m.values
+                rewards.append(v.get("reward_mean", float("nan")))
+                progress.update(task, completed=m.step + 1, reward=f"{v.get('reward_mean', 0):.3f}",
+                                step_s=f"{v.get('step_time_s', 0):.1f}s")
+                progress.console.print(
+                    f"step {m.step:>3}  reward {v.get('reward_mean', 0):.3f} ± {v.get('reward_std', 0):.3f}"
+                    f"  kl {v.get('kl', 0):.4f}  entropy {v.get('entropy', 0):.3f}"
+                    f"  clip {v.get('clip_frac', 0):.3f}  lag {v.get('policy_lag_mean', 0):.2f}"
+                    f"  {v.get('tokens_per_s', 0):.0f} tok/s  {v.get('step_time_s', 0):.1f}s/step")
+        rec = await job.wait(raise_on_failure=False)
+        console.print(f"job {job.id} {rec.state.value} at step {rec.step} {rec.reason}")
+        if len(rewards) >= 2:
+            k = min(5, len(rewards) // 2)
+            first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+            console.print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}, "
+                          f"change {last - first:+.3f}")
+        return 0 if rec.state.value == "completed" else 1
+    finally:
+        await client.close()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if not args.up:
+        return asyncio.run(_train(args, _nats_url(args)))
+    from opentinker.sdk.stack import Stack
+
+    stack = Stack(_home(), nats_url=os.environ.get("NATS_URL") or None).start()
+    print(f"stack up: NATS {stack.nats_url}, logs in {stack.log_dir}", flush=True)
+    try:
+        return asyncio.run(_train(args, stack.nats_url))
+    finally:
+        stack.stop()
+
+
+# -- up ---------------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from opentinker.sdk.stack import SERVICES, Stack
+
+    services = tuple(s for s in SERVICES if s not in args.without)
+    stack = Stack(_home(), nats_url=os.environ.get("NATS_URL") or None, services=services).start()
+    print(f"OpenTinker up: NATS {stack.nats_url} (JetStream in {stack.home / 'nats'})")
+    for name, p in stack.procs.items():
+        print(f"  {name:<10} pid {p.pid:<8} log {stack.log_dir / (name + '.log')}")
+    print("Ctrl-C stops everything.", flush=True)
+    stopping = False
+
+    def _stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stopping:
+            time.sleep(0.5)
+            for name, p in list(stack.procs.items()):
+                if p.poll() is not None and not stopping:
+                    # a service can be killed and restarted at any time (DESIGN.md)
+                    print(f"{name} exited with {p.returncode}; restarting", flush=True)
+                    stack.procs[name] = _restart(stack, name)
+    finally:
+        print("stopping...", flush=True)
+        stack.stop()
+    return 0
+
+
+def _restart(stack, name: str):
+    import subprocess
+
+    env = dict(os.environ, NATS_URL=stack.nats_url, OPENTINKER_HOME=str(stack.home), PYTHONUNBUFFERED="1")
+    log = open(stack.log_dir / f"{name}.log", "ab")
+    time.sleep(1.0)
+    return subprocess.Popen([sys.executable, "-m", f"opentinker.services.{name}"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+# -- small commands ----------------------------------------------------------------------
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from opentinker.sdk.client import SyncClient
+
+    c = SyncClient(_nats_url(args))
+    try:
+        recs = c.jobs()
+    finally:
+        c.close()
+    t = Table("job", "state", "step", "steps", "model", "env", "reason")
+    for r in recs:
+        t.add_row(r.job_id, r.state.value, str(r.step), str(r.spec.steps), r.spec.model, r.spec.env, r.reason)
+    Console().print(t)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from opentinker.sdk.client import SyncClient
+
+    c = SyncClient(_nats_url(args))
+    try:
+        reply = c.job(args.job_id).cancel()
+    finally:
+        c.close()
+    print(f"{args.job_id}: {'cancelled' if reply.ok else reply.error}")
+    return 0 if reply.ok else 1
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from opentinker.services.recorder.query import run_query
+
+    data_dir = args.data_dir or str(Path(_home()) / "data")
+    cols, rows = run_query(args.sql, data_dir)
+    t = Table(*cols)
+    for r in rows:
+        t.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r))
+    Console(width=200).print(t)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    importlib.import_module(f"opentinker.services.{args.name}.service").main(args.rest)
+    return 0
+
+
+def cmd_envhost(args: argparse.Namespace) -> int:
+    from opentinker.services.envhost.service import main
+
+    main(args.rest)
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from opentinker.services.envhost.envs.gsm8k import prepare_gsm8k
+
+    out = args.out or str(Path(_home()) / "data" / "gsm8k")
+    for split, n in prepare_gsm8k(args.src, out).items():
+        print(f"{split}: {n} problems -> {out}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from opentinker.services.core.models import resolve_model
+
+    print(resolve_model(args.model, _home()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="opentinker", description="Agentic RL for LLMs, as a service.")
+    p.add_argument("--nats-url", help="NATS server (default: $NATS_URL, a running `opentinker up`, "
+                                      "or nats://127.0.0.1:4222)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("up", help="start a local NATS server and every service")
+    s.add_argument("--without", nargs="*", default=[], choices=SERVICE_NAMES, help="services not to start")
+    s.set_defaults(fn=cmd_up)
+
+    s = sub.add_parser("train", help="submit a job from a TOML file and follow it")
+    s.add_argument("config")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    s.add_argument("--up", action="store_true", help="start the embedded stack for this job")
+    s.add_argument("--job-id", default="")
+    s.add_argument("--detach", action="store_true", help="print the job id and return")
+    s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("jobs", help="list jobs")
+    s.set_defaults(fn=cmd_jobs)
+
+    s = sub.add_parser("cancel", help="cancel a job")
+    s.add_argument("job_id")
+    s.set_defaults(fn=cmd_cancel)
+
+    s = sub.add_parser("query", help="DuckDB SQL over the trajectory log")
+    s.add_argument("sql")
+    s.add_argument("--data-dir", help="log root (default <home>/data)")
+    s.set_defaults(fn=cmd_query)
+
+    s = sub.add_parser("serve", help="run one service in the foreground")
+    s.add_argument("name", choices=SERVICE_NAMES)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("envhost", help="serve environments (built-in, or --env module:Class)")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_envhost)
+
+    s = sub.add_parser("data", help="prepare a dataset")
+    s.add_argument("dataset", choices=["gsm8k"])
+    s.add_argument("--src", required=True, help="folder with train.jsonl and test.jsonl")
+    s.add_argument("--out", help="output folder (default <home>/data/gsm8k)")
+    s.set_defaults(fn=cmd_data)
+
+    s = sub.add_parser("models", help="model utilities")
+    s.add_argument("action", choices=["prepare"])
+    s.add_argument("model", nargs="?", default="smollm2-135m-instruct")
+    s.set_defaults(fn=cmd_models)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd in ("serve", "envhost"):
+        sys.argv = [f"opentinker {args.cmd}", *args.rest]
+    return args.fn(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The embedded stack behind `opentinker up`: a local nats-server with JetStream on a
+data directory (unless NATS_URL names one) and every service as its own process.
+
+Loopback only: nats-server listens on 127.0.0.1. Every child is stopped by its own PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from opentinker.services.core.nats_server import NatsServer, free_port
+
+SERVICES = ("scheduler", "envhost", "recorder", "rollout", "learner")
+DEFAULT_PORT = 4222
+
+
+class Stack:
+    """nats-server + services as child processes; `stop()` ends them in reverse order."""
+
+    def __init__(self, home: str | Path, nats_url: str | None = None,
+                 services: tuple[str, ...] = SERVICES, overrides: dict[str, list[str]] | None = None):
+        self.home = Path(home)
+        self.nats_url = nats_url
+        self.services = services
+        self.overrides = overrides or {}
+        self.log_dir = self.home / "logs"
+        self.server: NatsServer | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> Stack:
+        """Start everything; raises RuntimeError if nats-server or a service dies at once."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.nats_url:
+            port = DEFAULT_PORT if _port_free(DEFAULT_PORT) else free_port()
+            self.server = NatsServer(self.home / "nats", port=port,
+                                     log_file=self.log_dir / "nats-server.log").start()
+            self.nats_url = self.server.url
+        env = dict(os.environ, NATS_URL=self.nats_url, OPENTINKER_HOME=str(self.home),
+                   PYTHONUNBUFFERED="1")
+        for name in self.services:
+            log = open(self.log_dir / f"{name}.log", "ab")
+            cmd = [sys.executable, "-m", f"opentinker.services.{name}", *self.overrides.get(name, [])]
+            self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+        time.sleep(1.0)
+        self.check()
+        (self.home / "stack.json").write_text(json.dumps(
+            {"nats_url": self.nats_url, "pids": {n: p.pid for n, p in self.procs.items()}}))
+        return self
+
+    def check(self) -> None:
+        """Raise RuntimeError naming any service that has exited."""
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        if dead:
+            raise RuntimeError(f"services exited: {dead}; see logs in {self.log_dir}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM each service (reverse start order), wait, SIGKILL stragglers; stop NATS."""
+        for name in reversed(list(self.procs)):
+            p = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+        if self.server:
+            self.server.stop()
+        (self.home / "stack.json").unlink(missing_ok=True)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def discover_nats_url(home: str | Path) -> str | None:
+    """$NATS_URL, else the URL of a running `opentinker up` in `home`, else None."""
+    if os.environ.get("NATS_URL"):
+        return os.environ["NATS_URL"]
+    f = Path(home) / "stack.json"
+    if f.exists():
+        return json.loads(f.read_text()).get("nats_url")
+    return None

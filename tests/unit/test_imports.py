@@ -1,0 +1,54 @@
+"""Architecture rules checked on the source: services never import one another, and the
+SDK (the client install) never pulls torch or vLLM."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = [p.name for p in (ROOT / "services").iterdir()
+            if p.is_dir() and (p / "__init__.py").exists() and p.name != "core"]
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_services_do_not_import_one_another():
+    assert {"scheduler", "rollout", "learner", "envhost", "recorder"} <= set(SERVICES)
+    bad = []
+    for svc in SERVICES:
+        for f in (ROOT / "services" / svc).rglob("*.py"):
+            for mod in _imports(f):
+                for other in SERVICES:
+                    if other != svc and mod.startswith(f"opentinker.services.{other}"):
+                        bad.append(f"{f.relative_to(ROOT)} imports {mod}")
+    assert not bad, bad
+
+
+def test_core_and_schemas_import_no_service():
+    for folder, allowed in (("services/core", ()), ("schemas", ())):
+        for f in (ROOT / folder).rglob("*.py"):
+            for mod in _imports(f):
+                assert not any(mod.startswith(f"opentinker.services.{s}") for s in SERVICES), (f, mod)
+
+
+def test_schemas_import_only_msgspec_and_stdlib():
+    for f in (ROOT / "schemas").rglob("*.py"):
+        for mod in _imports(f):
+            top = mod.split(".")[0]
+            assert top in sys.stdlib_module_names or top in ("msgspec", "opentinker", "__future__"), (f, mod)
+
+
+def test_sdk_import_pulls_no_engine():
+    code = ("import sys, opentinker.sdk, opentinker.sdk.cli, opentinker.schemas;"
+            "print(sorted(m for m in ('torch','vllm','transformers','deepspeed','duckdb') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
