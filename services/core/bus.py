@@ -252,7 +252,7 @@ class Bus:
         """Up to `batch` messages, or [] when none arrive within `timeout_s`."""
         try:
             return await sub.fetch(batch, timeout=timeout_s)
-        except nats.errors.TimeoutError:
+        except asyncio.TimeoutError:  # nats.py raises its own subclass or, at times, this base
             return []
 
     async def decode_or_dead_letter(self, m: Msg, kind: type[T]) -> T | None:

@@ -1,0 +1,1 @@
+"""envhost: serves AbstractGame environments over NATS request/reply (see service.py)."""

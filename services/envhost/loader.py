@@ -1,0 +1,114 @@
+"""Find the environment classes an envhost serves, from `--env` specs.
+
+A spec is one of:
+- a built-in name: `arith`
+- `module:Class`: the module imported from the working directory or an `--env-path`
+- `path/to/file.py:Class`: a file anywhere, imported under a private module name
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from opentinker.schemas.job import ENV_NAME_RE
+from opentinker.sdk.env import AbstractGame
+from opentinker.services.envhost.registry import BUILTIN
+
+
+class EnvLoadError(ValueError):
+    """An `--env` spec could not be turned into a served environment."""
+
+
+def load_class(spec: str, env_path: list[str] | None = None) -> type[AbstractGame]:
+    """The AbstractGame subclass a spec names.
+
+    Raises EnvLoadError naming the spec: unknown built-in, module or file not found,
+    no such attribute, or not an AbstractGame subclass. Errors raised while importing
+    the user's module propagate with their own traceback.
+    """
+    if ":" not in spec:
+        if spec in BUILTIN:
+            return BUILTIN[spec]
+        raise EnvLoadError(f"--env {spec!r}: not a built-in ({', '.join(BUILTIN)}); "
+                           "use module:Class or path/to/file.py:Class")
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise EnvLoadError(f"--env {spec!r}: expected module:Class")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        module = _import_file(Path(target), spec)
+    else:
+        for p in reversed([os.getcwd(), *(env_path or [])]):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as e:
+            if e.name and target.startswith(e.name):  # the named module itself, not a dependency
+                raise EnvLoadError(f"--env {spec!r}: module {target!r} not found "
+                                   f"(searched the working directory and --env-path)") from None
+            raise
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise EnvLoadError(f"--env {spec!r}: {module.__name__} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, AbstractGame)):
+        raise EnvLoadError(f"--env {spec!r}: {attr} is not a subclass of "
+                           "opentinker.sdk.env.AbstractGame")
+    return cls
+
+
+def env_name(cls: type[AbstractGame], override: str | None = None) -> str:
+    """The name an env is served under: `override` (`--name`) or the class's `name`.
+
+    Raises EnvLoadError if it is empty or not [a-z0-9][a-z0-9_-]*.
+    """
+    name = override or getattr(cls, "name", "")
+    if not name:
+        raise EnvLoadError(f"{cls.__qualname__}: set a class attribute `name = \"my-env\"` or pass --name")
+    if not ENV_NAME_RE.match(name):
+        raise EnvLoadError(f"{cls.__qualname__}: env name {name!r} must match {ENV_NAME_RE.pattern}")
+    return name
+
+
+def load_envs(specs: list[str], env_path: list[str] | None = None,
+              name: str | None = None) -> dict[str, type[AbstractGame]]:
+    """{name: class} for `specs`, or every built-in when `specs` is empty.
+
+    Raises EnvLoadError for a bad spec, `--name` with more than one env, or two envs
+    with one name.
+    """
+    if not specs:
+        return dict(BUILTIN)
+    if name and len(specs) > 1:
+        raise EnvLoadError("--name applies to a single --env")
+    envs: dict[str, type[AbstractGame]] = {}
+    for spec in specs:
+        cls = load_class(spec, env_path)
+        n = env_name(cls, name)
+        if n in envs:
+            raise EnvLoadError(f"two --env specs are named {n!r}")
+        envs[n] = cls
+    return envs
+
+
+def _import_file(path: Path, spec: str):
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise EnvLoadError(f"--env {spec!r}: file {path} not found")
+    # The file's folder goes on sys.path so it can import its sibling modules.
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    # One module per file: two --env specs naming classes of one file share it, and
+    # two files with one stem in different folders do not clash.
+    mod_name = f"opentinker_user_env_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    mspec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(mspec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up here
+    mspec.loader.exec_module(module)
+    return module

@@ -1,0 +1,12 @@
+"""The built-in environments, by name. `opentinker envhost` with no `--env` serves all."""
+
+from __future__ import annotations
+
+from opentinker.sdk.env import AbstractGame
+from opentinker.services.envhost.envs.arith import ArithGame
+from opentinker.services.envhost.envs.gsm8k import GSM8KGame
+from opentinker.services.envhost.envs.guess_number import GuessNumberGame
+
+BUILTIN: dict[str, type[AbstractGame]] = {
+    cls.name: cls for cls in (ArithGame, GSM8KGame, GuessNumberGame)
+}

@@ -1,0 +1,258 @@
+"""Envhost: serves environments (AbstractGame subclasses) to rollout workers over NATS.
+
+Role: runs user (and built-in) environment code; one game instance per episode, held
+in this process from reset to done (sticky), so more envhost processes add capacity.
+User code runs in threads (a slow env does not block the host), at most
+`envhost_max_concurrency` calls at once; an episode idle for `envhost_episode_ttl_s`
+is dropped. An exception in user code ends that episode with `error` =
+"<ExcType>: <message>" and the host keeps serving.
+
+Reads (core request/reply):
+- `ot.env.<env>.init`  (queue group `envhost-<env>`): EnvInitRequest -> EnvInitReply
+- `ot.env.<env>.reset` (queue group `envhost-<env>`): EnvResetRequest -> EnvResetReply;
+  the answering host owns the episode and names itself in `host_id`
+- `ot.env.host.<host_id>.step`: EnvStepRequest -> EnvStepReply (episode dropped when done)
+- `ot.env.host.<host_id>.close`: EnvCloseRequest -> EnvStepReply(done=True) if a reply
+  is asked for; closing an unknown episode is not an error
+Writes: the replies; `ot.dlq.envhost` for undecodable requests (no reply).
+
+Run: `opentinker envhost [--env module:Class | --env path/file.py:Class | --env arith ...]
+[--env-path DIR] [--name NAME] [KEY=VALUE ...]`, or `python -m opentinker.services.envhost`.
+With no `--env` it serves every built-in env (arith, gsm8k, guess-number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from opentinker.schemas import (
+    EnvCloseRequest,
+    EnvInitReply,
+    EnvInitRequest,
+    EnvResetReply,
+    EnvResetRequest,
+    EnvStepReply,
+    EnvStepRequest,
+)
+from opentinker.schemas import subjects as S
+from opentinker.schemas.job import ENV_NAME_RE
+from opentinker.sdk.env import AbstractGame, StepResult
+from opentinker.services.core.bus import Bus
+from opentinker.services.core.config import Settings
+from opentinker.services.core.runner import run_service
+from opentinker.services.envhost.loader import EnvLoadError, load_envs
+
+log = logging.getLogger("opentinker.envhost")
+
+
+@dataclass
+class Episode:
+    env: str
+    game: AbstractGame
+    last_used: float
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def user_error(e: BaseException) -> str:
+    """The `error` text of a reply when user code raised: "<ExcType>: <message>"."""
+    return f"{type(e).__name__}: {e}"
+
+
+def plain(obj: Any) -> Any:
+    """`obj` as MessagePack-safe builtins: numpy scalars and arrays become numbers and
+    lists, dict keys become strings, anything else unknown becomes its str()."""
+
+    def fallback(x: Any) -> Any:
+        for attr in ("item", "tolist"):  # numpy / torch scalars and arrays
+            if callable(getattr(x, attr, None)):
+                try:
+                    return getattr(x, attr)()
+                except (TypeError, ValueError):
+                    pass
+        return str(x)
+
+    return msgspec.to_builtins(obj, enc_hook=fallback, str_keys=True)
+
+
+def open_episode(cls: type[AbstractGame], env_args: dict[str, Any],
+                 state: dict[str, Any]) -> tuple[AbstractGame, str, str]:
+    """Construct the game and reset it. Returns (game, system_prompt, user_message);
+    the first observation stands in for a game without an initial user message."""
+    game = cls(**env_args)
+    obs = game.reset(**state)
+    system = game.get_system_prompt()
+    try:
+        user = game.get_initial_user_message()
+    except NotImplementedError:
+        user = obs
+    return game, str(system or ""), str(user or "")
+
+
+def initial_state(cls: type[AbstractGame], env_args: dict[str, Any], seed: int,
+                  split: str) -> dict[str, Any]:
+    state = cls(**env_args).generate_initial_state(seed=seed, split=split)
+    if not isinstance(state, dict):
+        raise TypeError(f"generate_initial_state must return a dict, got {type(state).__name__}")
+    return plain(state)
+
+
+def take_step(game: AbstractGame, action: str) -> EnvStepReply:
+    r = game.step(action)
+    if not isinstance(r, StepResult):
+        raise TypeError(f"step must return StepResult, got {type(r).__name__}")
+    return EnvStepReply(observation=str(r.observation or ""), reward=float(r.reward),
+                        done=bool(r.done), info=plain(dict(r.info or {})))
+
+
+class EnvHost:
+    """The episodes this process holds, and the request handlers that act on them."""
+
+    def __init__(self, envs: dict[str, type[AbstractGame]], host_id: str,
+                 max_concurrency: int, episode_ttl_s: float):
+        self.envs = envs
+        self.host_id = host_id
+        self.episode_ttl_s = episode_ttl_s
+        self.episodes: dict[str, Episode] = {}
+        # Bounds the user code running at once; calls beyond it wait for a thread.
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="env")
+
+    async def _user(self, fn, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _failed(self, what: str, env: str, episode_id: str, e: Exception) -> str:
+        log.warning("env %s %s failed (episode %r): %s", env, what, episode_id, user_error(e),
+                    exc_info=e)
+        return user_error(e)
+
+    def _mismatch(self, name: str, req_env: str) -> str:
+        return f"env: the request names {req_env!r} but was sent to env {name!r}"
+
+    async def init(self, name: str, req: EnvInitRequest, m: Msg) -> EnvInitReply:
+        if req.env != name:
+            return EnvInitReply(error=self._mismatch(name, req.env))
+        try:
+            state = await self._user(initial_state, self.envs[name], req.env_args, req.seed, req.split)
+        except Exception as e:  # user code: any exception ends this request, not the host
+            return EnvInitReply(error=self._failed("generate_initial_state", name, "", e))
+        return EnvInitReply(state=state)
+
+    async def reset(self, name: str, req: EnvResetRequest, m: Msg) -> EnvResetReply:
+        if req.env != name:
+            return EnvResetReply(error=self._mismatch(name, req.env))
+        try:
+            game, system, user = await self._user(open_episode, self.envs[name], req.env_args, req.state)
+        except Exception as e:  # user code
+            return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
+        self.episodes[req.episode_id] = Episode(name, game, time.monotonic())
+        return EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user)
+
+    async def step(self, req: EnvStepRequest, m: Msg) -> EnvStepReply:
+        ep = self.episodes.get(req.episode_id)
+        if ep is None:
+            return EnvStepReply(error=f"episode_id: {req.episode_id!r} is not open on host "
+                                      f"{self.host_id} (never reset here, done, closed or expired)")
+        # A retried step must not run user code twice at once on one game.
+        async with ep.lock:
+            ep.last_used = time.monotonic()
+            try:
+                reply = await self._user(take_step, ep.game, req.action)
+            except Exception as e:  # user code
+                self.episodes.pop(req.episode_id, None)
+                return EnvStepReply(error=self._failed("step", ep.env, req.episode_id, e), done=True)
+            ep.last_used = time.monotonic()
+        if reply.done:
+            self.episodes.pop(req.episode_id, None)
+        return reply
+
+    async def close(self, req: EnvCloseRequest, m: Msg) -> EnvStepReply:
+        self.episodes.pop(req.episode_id, None)
+        return EnvStepReply(done=True)
+
+    def shutdown(self) -> None:
+        """Stop taking user calls; a call still running in a thread is not waited for."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop episodes idle for longer than the TTL; returns how many."""
+        cutoff = (time.monotonic() if now is None else now) - self.episode_ttl_s
+        stale = [k for k, ep in self.episodes.items() if ep.last_used < cutoff and not ep.lock.locked()]
+        for k in stale:
+            del self.episodes[k]
+        if stale:
+            log.info("dropped %d episodes idle for more than %.0f s", len(stale), self.episode_ttl_s)
+        return len(stale)
+
+
+def new_host_id(worker_id: str = "") -> str:
+    """`worker_id` if set (it becomes a subject token), else a fresh "envhost-<hex>".
+
+    Raises ValueError if `worker_id` is not [a-z0-9][a-z0-9_-]*.
+    """
+    if worker_id:
+        if not ENV_NAME_RE.match(worker_id):
+            raise ValueError(f"worker_id: {worker_id!r} must match {ENV_NAME_RE.pattern}")
+        return worker_id
+    return f"envhost-{secrets.token_hex(6)}"
+
+
+async def body(settings: Settings, bus: Bus, stop: asyncio.Event,
+               envs: dict[str, type[AbstractGame]]) -> None:
+    # Built-in envs find their data under OPENTINKER_HOME; `home` may have come from
+    # a settings file or a KEY=VALUE override instead, and then it must win.
+    os.environ["OPENTINKER_HOME"] = settings.home
+    n = settings.envhost_max_concurrency
+    host = EnvHost(envs, new_host_id(settings.worker_id), n, settings.envhost_episode_ttl_s)
+    serve = partial(bus.serve_concurrently, max_in_flight=4 * n)
+    subs = []
+    for name in envs:
+        group = S.env_queue_group(name)
+        subs.append(await serve(S.env_init(name), EnvInitRequest, partial(host.init, name), queue=group))
+        subs.append(await serve(S.env_reset(name), EnvResetRequest, partial(host.reset, name), queue=group))
+    subs.append(await serve(S.env_step(host.host_id), EnvStepRequest, host.step))
+    subs.append(await serve(S.env_close(host.host_id), EnvCloseRequest, host.close))
+    await bus.nc.flush()  # subscriptions are live on the server before we say so
+    log.info("envhost %s (%s pid %d) serving %s", host.host_id, socket.gethostname(), os.getpid(),
+             ", ".join(envs))
+    sweep_every_s = min(30.0, max(0.5, settings.envhost_episode_ttl_s / 4))
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), sweep_every_s)
+        except TimeoutError:
+            host.sweep()
+    for sub in subs:
+        await sub.unsubscribe()
+    host.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`opentinker envhost [--env SPEC ...] [--env-path DIR ...] [--name NAME]
+    [--config FILE] [--print-config] [KEY=VALUE ...]`. Exits 2 on a bad `--env`."""
+    p = argparse.ArgumentParser(
+        prog="opentinker envhost", allow_abbrev=False,
+        description="Serve environments to rollout workers.",
+        epilog="Service settings follow: [--config FILE] [--print-config] [KEY=VALUE ...].")
+    p.add_argument("--env", action="append", default=[], metavar="SPEC",
+                   help="built-in name, module:Class or path/to/file.py:Class (repeatable; "
+                        "default: every built-in)")
+    p.add_argument("--env-path", action="append", default=[], metavar="DIR",
+                   help="extra folder to import --env modules from (repeatable)")
+    p.add_argument("--name", help="serve a single --env under this name instead of its class's `name`")
+    args, rest = p.parse_known_args(argv)
+    try:
+        envs = load_envs(args.env, args.env_path, args.name)
+    except EnvLoadError as e:
+        p.error(str(e))
+    run_service("envhost", partial(body, envs=envs), rest)

@@ -1,0 +1,74 @@
+"""DuckDB over the trajectory log: `opentinker query "SQL"`.
+
+Views (one row per thing, however often the recorder wrote it):
+- `trajectories`: one row per (job_id, episode_id); columns as in store.SCHEMAS.
+- `metrics`: long format, one row per (job_id, split, step, key), e.g.
+      SELECT step, value FROM metrics WHERE job_id = 'my-job' AND key = 'reward_mean'
+- `events`: one row per distinct job state change.
+- Per-step mean reward:
+      SELECT step, avg(reward) FROM trajectories WHERE job_id = 'my-job' GROUP BY step ORDER BY step
+
+A message redelivered after a recorder crash (written, not yet acked) is written twice;
+the views keep one copy (the latest stream sequence), so queries never double count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from opentinker.services.recorder.store import SCHEMAS
+
+# What identifies one logical row; duplicates of it are the same message written twice
+# (or a learner re-logging a step after resuming, where the latest wins).
+KEYS = {
+    "trajectories": ("job_id", "episode_id"),
+    "metrics": ("job_id", "split", "step", "key"),
+    "events": ("job_id", "state", "reason", "step", "time_s", "source"),
+}
+
+
+def _sql_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def connect(data_dir: str | Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the views `trajectories`, `metrics` and
+    `events` over `<data_dir>/<table>/job_id=*/*.parquet`.
+
+    A table with no files yet gets an empty view with the right columns; that view
+    stays empty for this connection's life (connect again to see new files).
+    """
+    con = duckdb.connect(":memory:")
+    for table, schema in SCHEMAS.items():
+        folder = Path(data_dir) / table
+        if any(folder.glob("job_id=*/*.parquet")):
+            # job_id is read as text even for an all-digit id ("123").
+            source = (f"read_parquet({_sql_str(str(folder / '*' / '*.parquet'))}, "
+                      "hive_partitioning = true, union_by_name = true, "
+                      "hive_types = {'job_id': VARCHAR})")
+        else:
+            con.register(f"_empty_{table}", schema.empty_table())
+            source = f"_empty_{table}"
+        keys = ", ".join(KEYS[table])
+        con.execute(
+            f"CREATE VIEW {table} AS SELECT * FROM {source} "
+            f"QUALIFY row_number() OVER (PARTITION BY {keys} ORDER BY seq DESC) = 1")
+    return con
+
+
+def run_query(sql: str, data_dir: str | Path) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """Run `sql` against the views; returns (column names, rows).
+
+    Raises duckdb.Error (e.g. duckdb.ParserException, duckdb.BinderException) with
+    DuckDB's message for bad SQL.
+    """
+    con = connect(data_dir)
+    try:
+        cur = con.execute(sql)
+        cols = [d[0] for d in cur.description] if cur.description else []
+        return cols, cur.fetchall()
+    finally:
+        con.close()
