@@ -146,12 +146,12 @@ def main() -> None:
     args = p.parse_args()
 
     from opentinker.services.core.models import DEFAULT_MODEL, resolve_model
-    from opentinker.services.envhost.registry import get_env
+    from opentinker.services.envhost.registry import BUILTIN
 
     model_path = resolve_model(DEFAULT_MODEL, os.environ["OPENTINKER_HOME"])
     results = []
     if args.only in (None, "trl"):
-        results.append(run_trl(args.steps, model_path, get_env("arith")))
+        results.append(run_trl(args.steps, model_path, BUILTIN["arith"]))
     if args.only in (None, "opentinker"):
         results.append(run_opentinker(args.steps))
     out = {"machine": f"{platform.machine()} {os.cpu_count()} cores, no GPU",
