@@ -1,0 +1,1 @@
+"""The rollout service: generation engines and the agent loop (see service.py)."""

@@ -1,0 +1,358 @@
+"""The agent loop: run groups of episodes against an engine and an environment client,
+token-exact (DESIGN.md "The agent loop").
+
+Each episode moves PENDING -> GENERATING <-> INTERACTING -> TERMINATED:
+
+- PENDING: the group's initial state comes from one `EnvInitRequest`; each episode is
+  reset (`EnvResetRequest`) and its prompt is the chat template of [system, user].
+- GENERATING: every GENERATING episode of every group goes into ONE engine call per
+  round (CPU throughput grows with batch size).
+- INTERACTING: the action text goes to `env.step`; unless the episode ends, the
+  observation's tokens (a user turn in the chat template) are appended.
+- TERMINATED: env `done`, an env error, the turn limit or the token budget.
+
+The trajectory keeps exactly the ids the engine was fed and produced: policy tokens
+are never detokenized and retokenized. Only observations are tokenized.
+
+The engine and the env client are passed in (protocols below), so this module is
+tested with the transformers engine and an in-process env, and served by service.py
+with either engine and the NATS env client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from opentinker.schemas import (
+    EnvCloseRequest,
+    EnvInitReply,
+    EnvInitRequest,
+    EnvResetReply,
+    EnvResetRequest,
+    EnvStepReply,
+    EnvStepRequest,
+    RolloutRequest,
+    SamplingParams,
+    Trajectory,
+    TurnRecord,
+)
+
+
+@dataclass(frozen=True)
+class GenOut:
+    """One engine completion.
+
+    token_ids: [n] int    the sampled ids, the stop token included when it was sampled
+    logprobs:  [n] float  the sampler's logprob of each id under the temperature/top-p
+                          processed distribution (what the learner's ratio needs)
+    finish_reason: "stop" (a stop token) or "length" (hit max_new_tokens)
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class Engine(Protocol):
+    """What the agent loop needs from a generation engine."""
+
+    name: str
+    max_model_len: int
+    tokenizer: Any
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
+                 max_new_tokens: Sequence[int] | None = None) -> list[GenOut]: ...
+
+
+class EnvError(Exception):
+    """An environment RPC failed (no responder, timeout, unreadable reply)."""
+
+
+class EnvClient(Protocol):
+    """Environment RPC. Implementations raise EnvError on transport failures; errors
+    inside the user's env come back in the reply's `error` field."""
+
+    async def init(self, req: EnvInitRequest) -> EnvInitReply: ...
+    async def reset(self, req: EnvResetRequest) -> EnvResetReply: ...
+    async def step(self, host_id: str, req: EnvStepRequest) -> EnvStepReply: ...
+    async def close(self, host_id: str, req: EnvCloseRequest) -> None: ...
+
+
+class Phase(str, Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    INTERACTING = "interacting"
+    TERMINATED = "terminated"
+
+
+def episode_id(request_id: str, index: int) -> str:
+    """Deterministic, so a redelivered request publishes the same ids (and dedups)."""
+    return f"{request_id}-e{index}"
+
+
+class ChatRenderer:
+    """Token ids for prompts and observations from a tokenizer's chat template."""
+
+    _PLACEHOLDER = "\u2063ot-action\u2063"
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self._closing: str | None = None
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
+
+    def ids(self, text: str) -> list[int]:
+        # the template already holds any BOS/special tokens as text
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The first prompt: `messages` rendered with the generation prompt."""
+        return self.ids(self.render(messages, add_generation_prompt=True))
+
+    def closing(self) -> str:
+        """The text the template puts after an assistant message's content (e.g.
+        "<|im_end|>\\n" for ChatML)."""
+        if self._closing is None:
+            text = self.render([{"role": "user", "content": "x"},
+                                {"role": "assistant", "content": self._PLACEHOLDER}], False)
+            at = text.rfind(self._PLACEHOLDER)
+            self._closing = text[at + len(self._PLACEHOLDER):] if at >= 0 else ""
+        return self._closing
+
+    def observation_ids(self, history: list[dict[str, str]], observation: str,
+                        last_token: int | None, finish_reason: str) -> list[int]:
+        """Ids that close the last assistant turn and open the next one with
+        `observation` as a user message, ending in the generation prompt.
+
+        history: the conversation so far, ending with the assistant's action text.
+        The delta is the rendering with the new user message (and the generation
+        prompt) minus the rendering without it. The policy's own tokens are kept as
+        sampled, so what the template would put after the action comes first: all of
+        the assistant closing when the turn was cut at max_new_tokens, only its rest
+        when the sampled stop token is its start (ChatML: "\\n" after <|im_end|>).
+        """
+        without = self.render(history, False)
+        with_obs = self.render(history + [{"role": "user", "content": observation}], True)
+        if with_obs.startswith(without):
+            delta = with_obs[len(without):]
+        else:
+            # a template that rewrites earlier turns (e.g. strips reasoning from past
+            # assistant messages) is not prefix-stable; a neutral history still gives
+            # the text between turns
+            h = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+            a, b = self.render(h, False), self.render(h + [{"role": "user", "content": observation}], True)
+            delta = b[len(a):] if b.startswith(a) else b
+        closing = self.closing()
+        if finish_reason == "stop" and last_token is not None:
+            stop_text = self.tok.decode([last_token], skip_special_tokens=False)
+            if stop_text and closing.startswith(stop_text):
+                closing = closing[len(stop_text):]
+        return self.ids(closing + delta)
+
+
+@dataclass
+class _Episode:
+    req: RolloutRequest
+    index: int
+    episode_id: str
+    phase: Phase = Phase.PENDING
+    host_id: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+    turns: list[TurnRecord] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    gen_ms: float = 0.0
+    env_ms: float = 0.0
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self.phase = Phase.TERMINATED
+
+
+@dataclass
+class _Group:
+    req: RolloutRequest
+    episodes: list[_Episode]
+    done: bool = False
+
+
+PolicyVersion = Callable[[], Awaitable[int]]
+GroupDone = Callable[[RolloutRequest, list[Trajectory]], Awaitable[None]]
+
+
+class AgentLoop:
+    """Runs RolloutRequests to Trajectories with one engine and one env client.
+
+    engine: see `Engine`; its `generate` runs in `executor` (a thread), so the event
+    loop keeps serving the bus meanwhile. `worker` is recorded in each trajectory.
+    """
+
+    def __init__(self, engine: Engine, env: EnvClient, *, worker: str = "",
+                 executor: Executor | None = None):
+        self.engine = engine
+        self.env = env
+        self.worker = worker
+        self.executor = executor
+        self.renderer = ChatRenderer(engine.tokenizer)
+
+    async def run(self, requests: Sequence[RolloutRequest], policy_version: PolicyVersion,
+                  on_group_done: GroupDone | None = None) -> list[list[Trajectory]]:
+        """Run every request's group to the end; returns one list of `group_size`
+        trajectories per request, in order.
+
+        policy_version: awaited before each generation round; it makes sure the
+        engine holds the policy to use and returns its version (recorded per turn).
+        on_group_done: awaited as soon as a group's episodes have all ended (publish
+        and ack there, before slower groups finish).
+        Env failures end the affected episodes with `error` set; engine errors raise.
+        """
+        groups = [_Group(r, [_Episode(r, i, episode_id(r.request_id, i)) for i in range(r.group_size)])
+                  for r in requests]
+        results: dict[int, list[Trajectory]] = {}
+
+        async def finish_ready() -> None:
+            for gi, g in enumerate(groups):
+                if not g.done and all(e.phase is Phase.TERMINATED for e in g.episodes):
+                    g.done = True
+                    results[gi] = [self._trajectory(e) for e in g.episodes]
+                    if on_group_done is not None:
+                        await on_group_done(g.req, results[gi])
+
+        await asyncio.gather(*(self._start(g) for g in groups))
+        await finish_ready()
+        while active := [e for g in groups for e in g.episodes if e.phase is Phase.GENERATING]:
+            version = await policy_version()
+            limits = [self._budget(e.req) - len(e.token_ids) for e in active]
+            t0 = time.perf_counter()
+            outs = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.engine.generate,
+                [e.token_ids for e in active], [e.req.sampling for e in active], limits)
+            gen_ms = (time.perf_counter() - t0) * 1e3
+            if len(outs) != len(active):
+                raise RuntimeError(f"engine returned {len(outs)} completions for {len(active)} prompts")
+            await asyncio.gather(*(self._interact(e, o, version, gen_ms) for e, o in zip(active, outs)))
+            await finish_ready()
+        return [results[i] for i in range(len(groups))]
+
+    def _budget(self, req: RolloutRequest) -> int:
+        return min(req.sampling.max_total_tokens, self.engine.max_model_len)
+
+    async def _start(self, g: _Group) -> None:
+        r = g.req
+        try:
+            init = await self.env.init(EnvInitRequest(env=r.env, env_args=r.env_args,
+                                                      seed=r.group_seed, split=r.split))
+            error = f"env init: {init.error}" if init.error else ""
+        except EnvError as e:
+            init, error = None, f"env init: {e}"
+        if error:
+            for e in g.episodes:
+                e.fail(error)
+            return
+        await asyncio.gather(*(self._reset(e, init.state) for e in g.episodes))
+
+    async def _reset(self, e: _Episode, state: dict[str, Any]) -> None:
+        r = e.req
+        t0 = time.perf_counter()
+        try:
+            reply = await self.env.reset(EnvResetRequest(env=r.env, episode_id=e.episode_id,
+                                                         env_args=r.env_args, state=state))
+        except EnvError as err:
+            e.fail(f"env reset: {err}")
+            return
+        finally:
+            e.env_ms += (time.perf_counter() - t0) * 1e3
+        if reply.error:
+            e.fail(f"env reset: {reply.error}")
+            return
+        e.host_id = reply.host_id
+        if reply.system_prompt:
+            e.messages.append({"role": "system", "content": reply.system_prompt})
+        e.messages.append({"role": "user", "content": reply.user_message})
+        e.token_ids = self.renderer.prompt_ids(e.messages)
+        e.prompt_len = len(e.token_ids)
+        e.loss_mask = [0] * e.prompt_len
+        e.logprobs = [0.0] * e.prompt_len
+        if e.prompt_len >= self._budget(r):
+            e.fail(f"prompt has {e.prompt_len} tokens; the token budget "
+                   f"(sampling.max_total_tokens, engine max_model_len) is {self._budget(r)}")
+            await self._close(e)
+            return
+        e.phase = Phase.GENERATING
+
+    async def _interact(self, e: _Episode, out: GenOut, version: int, gen_ms: float) -> None:
+        e.phase = Phase.INTERACTING
+        gen_start = len(e.token_ids)
+        e.token_ids.extend(out.token_ids)
+        e.loss_mask.extend([1] * len(out.token_ids))
+        e.logprobs.extend(out.logprobs)
+        gen_end = len(e.token_ids)
+        e.gen_ms += gen_ms
+        action = self.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        e.messages.append({"role": "assistant", "content": action})
+
+        t0 = time.perf_counter()
+        reply: EnvStepReply | None = None
+        try:
+            reply = await self.env.step(e.host_id, EnvStepRequest(episode_id=e.episode_id, action=action))
+        except EnvError as err:
+            e.error = f"env step: {err}"
+        env_ms = (time.perf_counter() - t0) * 1e3
+        e.env_ms += env_ms
+        if reply is not None and reply.error:
+            e.error = f"env step: {reply.error}"
+        if reply is not None:
+            e.info = dict(reply.info)
+        observation = reply.observation if reply is not None else ""
+
+        ended_by_env = reply is not None and (reply.done or bool(reply.error))
+        next_phase = Phase.TERMINATED
+        if not e.error and not ended_by_env and len(e.turns) + 1 < e.req.sampling.max_turns:
+            last = out.token_ids[-1] if out.token_ids else None
+            obs_ids = self.renderer.observation_ids(e.messages, observation, last, out.finish_reason)
+            if len(e.token_ids) + len(obs_ids) < self._budget(e.req):
+                e.token_ids.extend(obs_ids)
+                e.loss_mask.extend([0] * len(obs_ids))
+                e.logprobs.extend([0.0] * len(obs_ids))
+                e.messages.append({"role": "user", "content": observation})
+                next_phase = Phase.GENERATING
+        e.turns.append(TurnRecord(
+            gen_start=gen_start, gen_end=gen_end, obs_end=len(e.token_ids),
+            reward=reply.reward if reply is not None else 0.0, policy_version=version,
+            finish_reason=out.finish_reason, action=action, observation=observation,
+            gen_ms=gen_ms, env_ms=env_ms))
+        e.phase = next_phase
+        if next_phase is Phase.TERMINATED and not ended_by_env:
+            # turn/token limit or a failed RPC: the host still holds the episode
+            await self._close(e)
+
+    async def _close(self, e: _Episode) -> None:
+        if not e.host_id:
+            return
+        try:
+            await self.env.close(e.host_id, EnvCloseRequest(episode_id=e.episode_id))
+        except EnvError:
+            pass  # best effort: a close only frees the host early; the trajectory is complete
+
+    def _trajectory(self, e: _Episode) -> Trajectory:
+        r = e.req
+        return Trajectory(
+            job_id=r.job_id, request_id=r.request_id, episode_id=e.episode_id, step=r.step,
+            group_index=r.group_index, group_size=r.group_size,
+            token_ids=e.token_ids, loss_mask=e.loss_mask, logprobs=e.logprobs,
+            prompt_len=e.prompt_len, turns=e.turns, reward=sum(t.reward for t in e.turns),
+            policy_version=min((t.policy_version for t in e.turns), default=r.policy_version),
+            env=r.env, split=r.split, env_info=e.info, error=e.error, worker=self.worker,
+            engine=self.engine.name, gen_ms=e.gen_ms, env_ms=e.env_ms, created_s=time.time())

@@ -1,0 +1,154 @@
+"""The transformers engine: the light fallback (any causal LM transformers loads, CPU or
+CUDA, any head_dim). Nothing but service.py imports this module.
+
+Batched sampling with left padding and a KV cache. Each sampled token's logprob is
+taken under the distribution it was sampled from, the same one vLLM reports with
+logprobs_mode="processed_logprobs": logits / temperature, top-p filtered (nucleus
+sampling, Holtzman et al. 2019, arXiv 1904.09751 §3.1), renormalized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opentinker.schemas import SamplingParams
+from opentinker.services.rollout.agent_loop import GenOut
+
+MAX_BATCH = 64  # rows per forward pass; bounds the KV cache on a small machine
+
+
+def stop_token_ids(generation_config, tokenizer) -> set[int]:
+    """The ids that end a turn: generation_config's eos ids (a model's end-of-turn
+    token, e.g. <|im_end|> or <|eot_id|>) plus the tokenizer's eos."""
+    ids: set[int] = set()
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return (token [B] int64, logprob [B] float32).
+
+    logits: [B, V] float32; temperature, top_p: [B]. A row with temperature 0 is
+    greedy. The logprob is log softmax(logits / T) after top-p filtering (the
+    smallest set of tokens whose probability mass reaches top_p is kept).
+    """
+    greedy = temperature <= 0
+    x = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if bool((top_p < 1).any()):
+        sorted_x, order = x.sort(-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    logp = x.log_softmax(-1)
+    sampled = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    token = torch.where(greedy, logits.argmax(-1), sampled)
+    return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+class HFEngine:
+    """A transformers causal LM that samples batches of token-id prompts.
+
+    model: a path or hub id; device "cpu" or "cuda"; dtype a torch dtype name.
+    Weights are loaded in place by Hugging Face parameter name (`load_weights`).
+    """
+
+    name = "hf"
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+                 max_model_len: int = 2048):
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
+        self.model.eval()
+        self.device = torch.device(device)
+        cfg = self.model.config
+        self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
+        self.stop_ids = stop_token_ids(self.model.generation_config, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.stop_ids)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # no fused parameters: every checkpoint tensor loads on its own
+        self.packed_modules: dict[str, list[str]] = {}
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
+                 max_new_tokens: Sequence[int] | None = None) -> list[GenOut]:
+        """Sample a completion for every prompt.
+
+        prompts: token ids; sampling: one for all or one per prompt; max_new_tokens:
+        an optional per-prompt cap below `sampling.max_new_tokens`. Raises ValueError
+        for a prompt that leaves no room under max_model_len.
+        """
+        if not prompts:
+            return []
+        sps = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        caps = list(max_new_tokens) if max_new_tokens is not None else [s.max_new_tokens for s in sps]
+        limits = [min(s.max_new_tokens, c, self.max_model_len - len(p)) for s, c, p in zip(sps, caps, prompts)]
+        for i, n in enumerate(limits):
+            if n < 1:
+                raise ValueError(f"prompt {i} has {len(prompts[i])} tokens: no room under "
+                                 f"max_model_len {self.max_model_len}")
+        out: list[GenOut] = []
+        for at in range(0, len(prompts), MAX_BATCH):
+            sl = slice(at, at + MAX_BATCH)
+            out += self._generate(prompts[sl], sps[sl], limits[sl])
+        return out
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], sps: list[SamplingParams], limits: list[int]) -> list[GenOut]:
+        b, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        temp = torch.tensor([s.temperature for s in sps], dtype=torch.float32, device=self.device)
+        top_p = torch.tensor([s.top_p for s in sps], dtype=torch.float32, device=self.device)
+
+        res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        tokens: list[list[int]] = [[] for _ in range(b)]
+        logprobs: list[list[float]] = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        live = [True] * b
+        for _ in range(max(limits)):
+            tok, lp = sample(res.logits[:, -1].float(), temp, top_p, self.generator)
+            for i, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+                if not live[i]:
+                    continue
+                tokens[i].append(t)
+                logprobs[i].append(l)
+                if t in self.stop_ids:
+                    live[i], reasons[i] = False, "stop"
+                elif len(tokens[i]) >= limits[i]:
+                    live[i] = False
+            if not any(live):
+                break
+            attn = torch.cat([attn, attn.new_ones((b, 1))], dim=1)
+            pos = pos[:, -1:] + 1
+            res = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                             past_key_values=res.past_key_values, use_cache=True, logits_to_keep=1)
+        return [GenOut(t, l, r) for t, l, r in zip(tokens, logprobs, reasons)]
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy `tensors` (Hugging Face names) into the model in place.
+
+        Raises ValueError naming an unknown parameter or a shape mismatch.
+        """
+        for name, t in tensors.items():
+            try:
+                p = self.model.get_parameter(name)
+            except AttributeError:
+                raise ValueError(f"model has no parameter {name!r}") from None
+            if p.shape != t.shape:
+                raise ValueError(f"parameter {name!r} is {tuple(p.shape)}, the update is {tuple(t.shape)}")
+            p.copy_(t)

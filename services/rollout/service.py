@@ -1,0 +1,561 @@
+"""The rollout service: a worker that turns rollout requests into trajectories.
+
+Role: hold a generation engine per model (vLLM, or transformers as the light
+fallback), keep it on the latest policy of the job it serves, and run the
+agent loop (agent_loop.py) for each requested group of episodes.
+
+Reads:
+  ot.job.*.rollout   stream OT_ROLLOUT, durable pull consumer "rollout" shared by every
+                     worker (a work queue: more workers add capacity). Up to 16
+                     requests are fetched together; the episodes of each job among
+                     them share one engine call per turn. A request is acked only after all its
+                     trajectories are published.
+  ot.job.*.weights   stream OT_WEIGHTS, an ordered consumer from each job's last
+                     event: a job's policy is its latest WeightsPublished (bytes from
+                     the object store `ot_weights` or a file, sha256-checked). A request
+                     waits for the version it names if this worker has not seen it.
+  ot_jobs (KV)       requests of jobs in a terminal state are acked and skipped.
+Writes:
+  ot.job.<id>.traj   one Trajectory per episode, Nats-Msg-Id = `<job_id>:<episode_id>`
+                     (episode id `<request_id>-e<i>`), so a redelivered request dedups.
+  ot.dlq.rollout     undecodable or invalid requests, and requests whose weights or
+                     model cannot be loaded, with the reason.
+Calls (core request/reply): ot.env.<env>.init / .reset, ot.env.host.<host>.step / .close.
+
+Run: `python -m opentinker.services.rollout [engine=auto|vllm|hf] [device=auto|cpu|cuda]
+[worker_id=NAME] [nats_url=...]` (`--print-config` shows the settings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import time
+import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+import torch
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from opentinker.schemas import (
+    EnvCloseRequest,
+    EnvInitReply,
+    EnvInitRequest,
+    EnvResetReply,
+    EnvResetRequest,
+    EnvStepReply,
+    EnvStepRequest,
+    JobRecord,
+    RolloutRequest,
+    Trajectory,
+    WeightsPublished,
+    decode,
+    encode,
+)
+from opentinker.schemas import subjects as S
+from opentinker.services.core.bus import Bus
+from opentinker.services.core.config import Settings
+from opentinker.services.core.models import resolve_model
+from opentinker.services.core.runner import run_service
+from opentinker.services.rollout.agent_loop import AgentLoop, EnvError
+from opentinker.services.rollout.weights import (
+    BaseWeights,
+    HeldWeights,
+    WeightsError,
+    check_sha256,
+    decode_tensors,
+    lora_pairs,
+    lora_scale,
+    merge_lora,
+    parse_uri,
+)
+
+log = logging.getLogger("opentinker.rollout")
+
+DURABLE = "rollout"
+ROLLOUT_STREAM = "OT_ROLLOUT"
+WEIGHTS_STREAM = "OT_WEIGHTS"
+FETCH_BATCH = 16
+FETCH_LINGER_S = 0.05        # a learner publishes a step's requests back to back
+ACK_WAIT_S = 300.0
+IN_PROGRESS_EVERY_S = 30.0   # well inside ack_wait
+ENV_SETUP_TIMEOUT_S = 30.0
+ENV_STEP_TIMEOUT_S = 120.0   # a user's step may run tools or a verifier
+ENV_CLOSE_TIMEOUT_S = 2.0
+WEIGHTS_WAIT_S = 60.0        # for a version a request names but this worker has not seen
+JOBS_KEPT = 4                # per-job policy tensors kept for fast job switches
+MAX_MODEL_LEN = 2048
+_HOST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+PolicyId = tuple[str, int, str]  # (job id, policy version, sha256 of the weights)
+BASE: PolicyId = ("", 0, "")     # the model's own weights, policy version 0 of every job
+
+
+class WeightsUnavailable(Exception):
+    """A request names a policy version whose weight event has not arrived."""
+
+
+# -- environment RPC over NATS ------------------------------------------------
+
+
+class NatsEnvClient:
+    """agent_loop.EnvClient over NATS request/reply; transport failures -> EnvError."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+
+    async def _request(self, subject: str, msg: msgspec.Struct, kind: type, timeout_s: float):
+        try:
+            return await self.bus.request(subject, msg, kind, timeout_s=timeout_s)
+        except nats.errors.NoRespondersError:
+            raise EnvError(f"no env host serves {subject}") from None
+        except nats.errors.TimeoutError:
+            raise EnvError(f"no reply on {subject} within {timeout_s:g} s") from None
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise EnvError(f"unreadable {kind.__name__} on {subject}: {e}") from None
+
+    @staticmethod
+    def _host(host_id: str) -> str:
+        if not _HOST_ID.match(host_id):
+            raise EnvError(f"env reset replied with an invalid host_id {host_id!r}")
+        return host_id
+
+    async def init(self, req: EnvInitRequest) -> EnvInitReply:
+        return await self._request(S.env_init(req.env), req, EnvInitReply, ENV_SETUP_TIMEOUT_S)
+
+    async def reset(self, req: EnvResetRequest) -> EnvResetReply:
+        return await self._request(S.env_reset(req.env), req, EnvResetReply, ENV_SETUP_TIMEOUT_S)
+
+    async def step(self, host_id: str, req: EnvStepRequest) -> EnvStepReply:
+        return await self._request(S.env_step(self._host(host_id)), req, EnvStepReply, ENV_STEP_TIMEOUT_S)
+
+    async def close(self, host_id: str, req: EnvCloseRequest) -> None:
+        try:
+            await self.bus.nc.request(S.env_close(self._host(host_id)), encode(req),
+                                      timeout=ENV_CLOSE_TIMEOUT_S, headers=self.bus.headers(req, None, None))
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as e:
+            raise EnvError(f"close on {host_id}: {e!r}") from None
+
+
+# -- request checks -----------------------------------------------------------
+
+
+def check_request(req: RolloutRequest, subject: str) -> str:
+    """'' if `req` can be served, else the reason, naming the field."""
+    for field, check in (("job_id", S.check_job_id), ("env", S.env_init)):
+        try:
+            check(getattr(req, field))
+        except ValueError as e:
+            return f"`{field}`: {e}"
+    if S.job_id_of(subject) != req.job_id:
+        return f"`job_id`: {req.job_id!r} arrived on {subject}"
+    s = req.sampling
+    checks = [
+        (bool(req.request_id), "request_id", "must not be empty"),
+        (1 <= req.group_size <= 1024, "group_size", "must be in [1, 1024]"),
+        (req.policy_version >= 0, "policy_version", "must be >= 0"),
+        (req.engine in ("auto", "vllm", "hf"), "engine", "must be auto, vllm or hf"),
+        (bool(req.model.strip()), "model", "must name a model"),
+        (s.temperature >= 0, "sampling.temperature", "must be >= 0"),
+        (0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]"),
+        (s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1"),
+        (s.max_turns >= 1, "sampling.max_turns", "must be >= 1"),
+        (s.max_total_tokens >= 2, "sampling.max_total_tokens", "must be >= 2"),
+    ]
+    for ok, field, reason in checks:
+        if not ok:
+            return f"`{field}`: {reason} (got {_get(req, field)!r})"
+    return ""
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# -- engines and the policy they hold -------------------------------------------
+
+
+class EngineSlot:
+    """One engine for one model, the thread that runs it, and the policy it holds."""
+
+    def __init__(self, engine: Any, model_dir: str, executor: ThreadPoolExecutor):
+        self.engine = engine
+        # every engine call (create, generate, load) from one thread: vLLM's CPU
+        # backend binds its OpenMP threads to the thread that created it
+        self.executor = executor
+        self.base = BaseWeights(model_dir)
+        self.held = HeldWeights(self.base, engine.packed_modules)
+        self.holding: PolicyId = BASE
+        self.updates: OrderedDict[str, tuple[PolicyId, dict[str, torch.Tensor]]] = OrderedDict()
+
+
+def pick_engine(requested: str, configured: str, model_dir: str) -> str:
+    """The request's engine, else the worker's setting, else vLLM when it is
+    installed and the model's head_dim >= 32, else transformers."""
+    kind = requested if requested != "auto" else configured
+    if kind == "auto":
+        from opentinker.services.rollout import engine_vllm
+
+        kind = "vllm" if engine_vllm.supports(model_dir) else "hf"
+    return kind
+
+
+class RolloutWorker:
+    """The service's state: engines, the newest weight event per job, the env client."""
+
+    def __init__(self, settings: Settings, bus: Bus):
+        self.settings = settings
+        self.bus = bus
+        self.worker = settings.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
+        self.device = settings.device if settings.device != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.seed = zlib.crc32(self.worker.encode())
+        self.env = NatsEnvClient(bus)
+        self.engines: dict[tuple[str, str], EngineSlot] = {}
+        self.newest: dict[str, tuple[int, WeightsPublished]] = {}  # job -> (stream seq, event)
+        self._looked_up: set[str] = set()
+        self._weights_seen = asyncio.Condition()
+        self._sub = None
+
+    async def start(self) -> None:
+        # an ordered consumer from the last event of every job, then live ones: a
+        # restarted worker knows each job's policy without asking
+        self._sub = await self.bus.js.subscribe(
+            S.STREAMS[WEIGHTS_STREAM][0][0], stream=WEIGHTS_STREAM, cb=self._on_weights,
+            ordered_consumer=True, deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+        for slot in self.engines.values():
+            slot.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- weights events --
+
+    async def _on_weights(self, m: Msg) -> None:
+        try:
+            ev = decode(m.data, WeightsPublished)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("ignoring an unreadable weight event on %s: %s", m.subject, e)
+            return
+        if ev.job_id != S.job_id_of(m.subject):
+            log.warning("ignoring a weight event for job %r on %s", ev.job_id, m.subject)
+            return
+        await self._note(ev, m.metadata.sequence.stream)
+
+    async def _note(self, ev: WeightsPublished, seq: int) -> None:
+        # the latest announcement wins, not the highest version: a learner resumed
+        # from an older checkpoint re-announces lower versions, and those are its policy
+        old = self.newest.get(ev.job_id)
+        if old is None or seq > old[0]:
+            self.newest[ev.job_id] = (seq, ev)
+        async with self._weights_seen:
+            self._weights_seen.notify_all()
+
+    async def _last_event(self, job_id: str) -> None:
+        try:
+            raw = await self.bus.js.get_last_msg(WEIGHTS_STREAM, S.job(job_id, "weights"))
+        except NotFoundError:
+            return
+        try:
+            ev = decode(raw.data, WeightsPublished)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("ignoring an unreadable last weight event of job %s: %s", job_id, e)
+            return
+        if ev.job_id == job_id:
+            await self._note(ev, raw.seq)
+
+    async def newest_event(self, job_id: str, at_least: int) -> WeightsPublished | None:
+        """The job's latest weight event, waiting up to WEIGHTS_WAIT_S for one of
+        version `at_least` or newer. None = no event yet (version 0, the base model).
+        Raises WeightsUnavailable if no such version arrives."""
+        if job_id not in self._looked_up:
+            self._looked_up.add(job_id)
+            await self._last_event(job_id)  # the subscription may not have caught up yet
+
+        def have() -> int:
+            got = self.newest.get(job_id)
+            return got[1].policy_version if got else 0
+
+        deadline = time.monotonic() + WEIGHTS_WAIT_S
+        while have() < at_least:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightsUnavailable(f"job {job_id}: policy version {at_least} was requested, "
+                                         f"the newest weight event is version {have()}")
+            async with self._weights_seen:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._weights_seen.wait(), min(left, 2.0))
+            await self._last_event(job_id)
+        got = self.newest.get(job_id)
+        return got[1] if got else None
+
+    async def _fetch(self, uri: str) -> bytes:
+        scheme, bucket, name = parse_uri(uri)
+        if scheme == "file":
+            try:
+                return await asyncio.to_thread(Path(name).read_bytes)
+            except OSError as e:
+                raise WeightsError(f"`uri`: cannot read {name}: {e}") from None
+        try:
+            return await self.bus.get_object(bucket, name)
+        except NotFoundError:
+            raise WeightsError(f"`uri`: no object {name!r} in bucket {bucket!r}") from None
+
+    @staticmethod
+    def _tensors(slot: EngineSlot, ev: WeightsPublished, data: bytes) -> dict[str, torch.Tensor]:
+        check_sha256(data, ev.sha256)
+        tensors = decode_tensors(data)
+        if ev.kind == "lora":
+            pairs = lora_pairs(tensors)
+            return merge_lora(slot.base, pairs, lora_scale(ev.lora_alpha, ev.lora_rank, pairs))
+        # a tied lm_head is not in the base checkpoint but is a name learners save
+        unknown = sorted(set(tensors) - set(slot.base) - {"lm_head.weight"})
+        if unknown:
+            raise WeightsError(f"full weights name parameters the model lacks: {unknown[:5]}")
+        for name, t in tensors.items():
+            if name in slot.base and slot.base[name].shape != t.shape:
+                raise WeightsError(f"full weights: {name!r} is {tuple(t.shape)}, "
+                                   f"the model's is {tuple(slot.base[name].shape)}")
+        return tensors
+
+    async def ensure_policy(self, slot: EngineSlot, job_id: str, at_least: int) -> int:
+        """Make `slot`'s engine hold the job's latest policy (version >= `at_least`),
+        loading it unless it already does; returns that policy version."""
+        ev = await self.newest_event(job_id, at_least)
+        # weights are identified by their bytes: a resumed learner re-makes a version
+        ident = (job_id, ev.policy_version, ev.sha256) if ev else BASE
+        if slot.holding == ident:
+            return ident[1]
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        cached = slot.updates.get(job_id)
+        if ev is None:
+            new: dict[str, torch.Tensor] = {}
+        elif cached is not None and cached[0] == ident:
+            new = cached[1]
+            slot.updates.move_to_end(job_id)
+        else:
+            data = await self._fetch(ev.uri)
+            new = await loop.run_in_executor(slot.executor, self._tensors, slot, ev, data)
+            slot.updates[job_id] = (ident, new)
+            slot.updates.move_to_end(job_id)
+            while len(slot.updates) > JOBS_KEPT:
+                slot.updates.popitem(last=False)
+        plan = slot.held.plan(new)
+        await loop.run_in_executor(slot.executor, slot.engine.load_weights, plan)
+        slot.held.commit(new)
+        slot.holding = ident
+        log.info("job %s: policy version %d loaded (%d tensors in %.2f s)",
+                 job_id, ident[1], len(plan), time.perf_counter() - t0)
+        return ident[1]
+
+    # -- engines --
+
+    async def engine_for(self, req: RolloutRequest) -> EngineSlot:
+        """The engine slot for the request's model (created on first use). Raises
+        OSError/ValueError/RuntimeError/ImportError when the model or engine cannot load."""
+        model_dir = await asyncio.to_thread(resolve_model, req.model, self.settings.home)
+        kind = pick_engine(req.engine, self.settings.engine, model_dir)
+        chosen_for_us = req.engine == "auto" and self.settings.engine == "auto"
+        key = (model_dir, kind)
+        if key in self.engines:
+            return self.engines[key]
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{kind}")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            try:
+                engine = await loop.run_in_executor(executor, self._make_engine, kind, model_dir)
+            except ImportError as e:
+                if not (chosen_for_us and kind == "vllm"):
+                    raise
+                log.warning("vLLM does not import (%s); using the transformers engine", e)
+                kind, key = "hf", (model_dir, "hf")
+                if key in self.engines:
+                    executor.shutdown(wait=False)
+                    return self.engines[key]
+                engine = await loop.run_in_executor(executor, self._make_engine, kind, model_dir)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        self.engines[key] = EngineSlot(engine, model_dir, executor)
+        log.info("%s engine for %s ready in %.1f s (device %s)", kind, model_dir,
+                 time.perf_counter() - t0, self.device)
+        return self.engines[key]
+
+    def _make_engine(self, kind: str, model_dir: str) -> Any:
+        if kind == "vllm":
+            from opentinker.services.rollout.engine_vllm import VLLMEngine
+
+            # float32 on CPU: sampler logprobs match the learner's float32 (engine_vllm)
+            dtype = "bfloat16" if self.device == "cuda" else "float32"
+            return VLLMEngine(model_dir, device=self.device, dtype=dtype, seed=self.seed,
+                              max_model_len=MAX_MODEL_LEN)
+        from opentinker.services.rollout.engine_hf import HFEngine
+
+        return HFEngine(model_dir, device=self.device, dtype="float32", seed=self.seed,
+                        max_model_len=MAX_MODEL_LEN)
+
+    # -- requests --
+
+    async def _terminal(self, job_id: str) -> bool:
+        kv = await self.bus.kv(S.KV_JOBS)
+        try:
+            entry = await kv.get(job_id)
+        except NotFoundError:
+            return False
+        if not entry.value:
+            return False
+        try:
+            return decode(entry.value, JobRecord).state.terminal
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("job %s: unreadable JobRecord (%s); serving its requests", job_id, e)
+            return False
+
+    async def handle(self, msgs: list[Msg]) -> None:
+        """Serve one fetched batch: check each request, then run the groups of each
+        (model, job) together. Every message ends acked, naked or dead-lettered."""
+        pending: dict[int, Msg] = {}
+        seen: set[tuple[str, str]] = set()
+        parts: dict[tuple[str, str, str], list[tuple[RolloutRequest, Msg]]] = {}
+        for m in msgs:
+            req = await self.bus.decode_or_dead_letter(m, RolloutRequest)
+            if req is None:
+                continue
+            reason = check_request(req, m.subject)
+            if reason:
+                await self._reject(m, f"invalid RolloutRequest: {reason}")
+                continue
+            if await self._terminal(req.job_id):
+                log.info("job %s is over; skipping request %s", req.job_id, req.request_id)
+                await m.ack()
+                continue
+            if (req.job_id, req.request_id) in seen:
+                # the same group twice (a republished request): its episode ids, and
+                # so its trajectories, are the first copy's
+                log.info("job %s: request %s twice in one batch", req.job_id, req.request_id)
+                await m.ack()
+                continue
+            seen.add((req.job_id, req.request_id))
+            pending[id(m)] = m
+            parts.setdefault((req.model, req.engine, req.job_id), []).append((req, m))
+        if not parts:
+            return
+        beat = asyncio.create_task(self._heartbeat(pending))
+        try:
+            for items in parts.values():
+                await self._run_part(items, pending)
+        finally:
+            beat.cancel()
+            # whatever was not finished (cancelled on shutdown, failed): another
+            # worker, or this one, takes it again now rather than after ack_wait
+            for m in pending.values():
+                with contextlib.suppress(nats.errors.Error):
+                    await m.nak(delay=1.0)
+
+    async def _reject(self, m: Msg, reason: str) -> None:
+        await self.bus.dead_letter(m, reason)
+        await m.term()
+
+    async def _heartbeat(self, pending: dict[int, Msg]) -> None:
+        while True:
+            await asyncio.sleep(IN_PROGRESS_EVERY_S)
+            for m in list(pending.values()):
+                with contextlib.suppress(nats.errors.Error):
+                    await m.in_progress()
+
+    async def _run_part(self, items: list[tuple[RolloutRequest, Msg]], pending: dict[int, Msg]) -> None:
+        reqs = [r for r, _ in items]
+        msg_of = {r.request_id: m for r, m in items}
+        job_id = reqs[0].job_id
+        try:
+            slot = await self.engine_for(reqs[0])
+        except (OSError, ValueError, RuntimeError, ImportError) as e:
+            for _, m in items:
+                pending.pop(id(m), None)
+                await self._reject(m, f"`model`/`engine`: cannot load {reqs[0].model!r}: {e}")
+            return
+        at_least = max(r.policy_version for r in reqs)
+
+        async def policy_version() -> int:
+            return await self.ensure_policy(slot, job_id, at_least)
+
+        async def publish(req: RolloutRequest, trajs: list[Trajectory]) -> None:
+            m = msg_of[req.request_id]
+            tp = (m.headers or {}).get(S.H_TRACEPARENT)
+            for t in trajs:
+                # the stream dedups msg ids across all jobs; request ids are only
+                # known to be unique within one
+                await self.bus.publish(S.job(job_id, "traj"), t, msg_id=f"{job_id}:{t.episode_id}",
+                                       traceparent=tp)
+            await m.ack()
+            pending.pop(id(m), None)
+
+        loop = AgentLoop(slot.engine, self.env, worker=self.worker, executor=slot.executor)
+        t0 = time.perf_counter()
+        try:
+            await loop.run(reqs, policy_version, publish)
+        except WeightsError as e:
+            for _, m in items:
+                if pending.pop(id(m), None) is not None:
+                    await self._reject(m, f"weights of job {job_id} cannot be applied: {e}")
+            return
+        except WeightsUnavailable as e:
+            log.warning("%s; the requests go back to the queue", e)
+            return
+        n = sum(r.group_size for r in reqs)
+        log.info("job %s: %d groups, %d episodes in %.1f s", job_id, len(reqs), n, time.perf_counter() - t0)
+
+
+async def fetch_batch(bus: Bus, sub: Any) -> list[Msg]:
+    """Up to FETCH_BATCH requests: wait up to 1 s for the first, then linger briefly
+    for the rest of a step's requests so they share engine calls."""
+    msgs = await bus.fetch(sub, FETCH_BATCH, 1.0)
+    if msgs and len(msgs) < FETCH_BATCH:
+        await asyncio.sleep(FETCH_LINGER_S)
+        msgs += await bus.fetch(sub, FETCH_BATCH - len(msgs), FETCH_LINGER_S)
+    return msgs
+
+
+async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
+    worker = RolloutWorker(settings, bus)
+    await worker.start()
+    sub = await bus.pull(ROLLOUT_STREAM, DURABLE, S.STREAMS[ROLLOUT_STREAM][0][0], ack_wait_s=ACK_WAIT_S)
+    log.info("rollout worker %s ready (engine %s, device %s)", worker.worker, settings.engine, worker.device)
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        while not stop.is_set():
+            msgs = await fetch_batch(bus, sub)
+            if not msgs:
+                continue
+            work = asyncio.create_task(worker.handle(msgs))
+            await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()  # its cleanup naks what it had not finished
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+            else:
+                work.result()
+    finally:
+        stopped.cancel()
+        await worker.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service("rollout", body, argv)
