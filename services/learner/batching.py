@@ -1,0 +1,110 @@
+"""Trajectories -> padded, target-aligned training tensors; micro-batching.
+
+Alignment: a causal LM's logits at position t predict token t+1. Every per-token
+tensor here is stored "target-aligned": column t holds the loss mask and the
+sampler's logprob of token t+1, so `logp[:, t]` from loss.token_logprobs lines up
+with `loss_mask[:, t]` and `logprobs[:, t]` with no further shifting. The last column
+(nothing predicts past the end) and padding are always masked out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from opentinker.schemas import Trajectory
+
+
+class Batch(NamedTuple):
+    """One (micro-)batch of B episodes padded (right) to T tokens.
+
+    input_ids:      [B, T] long   token ids, `pad_id` after each episode's end
+    attention_mask: [B, T] long   1 on real tokens
+    loss_mask:      [B, T] float  1 where token t+1 is a policy token (target-aligned)
+    logprobs:       [B, T] float  the sampler's logprob of token t+1 (target-aligned)
+    advantages:     [B] float     one advantage per episode
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Policy tokens in the batch (the loss's normalizer)."""
+        return int(self.loss_mask.sum())
+
+
+def check_trajectory(traj: Trajectory, vocab_size: int) -> None:
+    """Check what msgspec's type check cannot: lengths, mask values, token range.
+
+    An episode that ended on an error may hold few or no tokens and no policy token: it
+    is valid (its reward still counts in its group; it adds nothing to the loss).
+    Raises ValueError naming the offending field.
+    """
+    n = len(traj.token_ids)
+    if len(traj.loss_mask) != n:
+        raise ValueError(f"Trajectory.loss_mask: length {len(traj.loss_mask)} != len(token_ids) {n}")
+    if len(traj.logprobs) != n:
+        raise ValueError(f"Trajectory.logprobs: length {len(traj.logprobs)} != len(token_ids) {n}")
+    if any(m not in (0, 1) for m in traj.loss_mask):
+        raise ValueError("Trajectory.loss_mask: values must be 0 or 1")
+    if n and traj.loss_mask[0]:
+        raise ValueError("Trajectory.loss_mask: the first token cannot be a policy token (nothing predicts it)")
+    if n and (min(traj.token_ids) < 0 or max(traj.token_ids) >= vocab_size):
+        raise ValueError(f"Trajectory.token_ids: ids must be in [0, {vocab_size})")
+    if not all(math.isfinite(x) and x <= 1e-3 for x in traj.logprobs):
+        raise ValueError("Trajectory.logprobs: must be finite and <= 0")
+    if not math.isfinite(traj.reward):
+        raise ValueError("Trajectory.reward: must be finite")
+
+
+def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], pad_id: int) -> Batch:
+    """Pad `trajs` (right) into a target-aligned Batch; `advantages[i]` belongs to `trajs[i]`.
+
+    Raises ValueError when the two lengths differ or `trajs` is empty.
+    """
+    if not trajs or len(trajs) != len(advantages):
+        raise ValueError(f"need one advantage per trajectory, got {len(advantages)} for {len(trajs)}")
+    B = len(trajs)
+    T = max(2, max(len(t.token_ids) for t in trajs))
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    logprobs = torch.zeros((B, T), dtype=torch.float32)
+    for b, t in enumerate(trajs):
+        n = len(t.token_ids)
+        if n == 0:
+            # an empty episode (an error before the prompt): one attended pad token, as a
+            # row with nothing to attend to gives NaN attention
+            attention_mask[b, 0] = 1
+            continue
+        input_ids[b, :n] = torch.tensor(t.token_ids, dtype=torch.long)
+        attention_mask[b, :n] = 1
+        # shift left by one: column j describes token j+1
+        loss_mask[b, : n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
+        logprobs[b, : n - 1] = torch.tensor(t.logprobs[1:], dtype=torch.float32)
+    logprobs *= loss_mask
+    return Batch(input_ids, attention_mask, loss_mask, logprobs,
+                 torch.tensor(list(advantages), dtype=torch.float32))
+
+
+def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[float], micro_batch_size: int,
+                  pad_id: int) -> list[Batch]:
+    """Split a step's episodes into Batches of at most `micro_batch_size`, grouping
+    episodes of similar length so that little compute goes to padding (the gradient is
+    a sum over episodes, so order does not matter).
+    """
+    if micro_batch_size < 1:
+        raise ValueError("micro_batch_size must be >= 1")
+    order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))
+    out = []
+    for k in range(0, len(order), micro_batch_size):
+        idx = order[k: k + micro_batch_size]
+        out.append(build_batch([trajs[i] for i in idx], [advantages[i] for i in idx], pad_id))
+    return out

@@ -1,0 +1,130 @@
+"""The GRPO objective as pure torch functions: advantages, token logprobs, the clipped
+surrogate with an optional KL penalty, and the statistics the learner reports.
+
+Shapes: B episodes, T positions. Every [B, T] tensor is target-aligned (see
+batching.py): column t belongs to the prediction made at position t of token t+1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+ADV_EPS = 1e-6
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO group-relative advantages A_i = (r_i - mean(r)) / (std(r) + 1e-6).
+
+    rewards: [n_groups, group_size] float -> advantages of the same shape. The std is
+    the sample (unbiased) std, as in TRL's GRPOTrainer and verl. A group whose rewards
+    are all equal gets zero advantage (it carries no learning signal).
+    Source: Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, eq. 3 and §4.1.1 (outcome
+    supervision). Raises ValueError if rewards is not 2-D with group_size >= 2.
+    """
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be [n_groups, group_size >= 2], got {tuple(rewards.shape)}")
+    rewards = rewards.to(torch.float64)
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True, unbiased=True)
+    return ((rewards - mean) / (std + ADV_EPS)).to(torch.float32)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of each next token under `logits / temperature`.
+
+    logits: [B, T, V] float; input_ids: [B, T] long. Returns (logp, entropy), both
+    [B, T] float32, target-aligned: logp[:, t] = log p(input_ids[:, t+1] | <= t); the
+    last column is 0. Entropy (nats) is computed without gradient: it is reported,
+    not optimized. Dividing by the sampling temperature makes the learner's
+    distribution the one the sampler drew from (as TRL's GRPOTrainer does).
+    """
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logits = logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    logp = logp_all.gather(-1, targets).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    pad = logp.new_zeros(logp.shape[0], 1)
+    return torch.cat([logp, pad], dim=1), torch.cat([entropy, pad], dim=1)
+
+
+def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1.
+
+    Shapes: any, elementwise; >= 0, and exactly 0 where the two agree.
+    Source: J. Schulman 2020, "Approximating KL Divergence" (k3); used by GRPO,
+    arXiv 2402.03300 eq. 4.
+    """
+    d = logp_ref - logp
+    return torch.exp(d) - d - 1.0
+
+
+class LossOut(NamedTuple):
+    """The loss of a (micro-)batch and its token-summed statistics.
+
+    loss: scalar with gradient, already divided by `num_tokens`. The `*_sum` fields are
+    sums over the micro-batch's policy tokens (plain floats), so micro-batches add up.
+    """
+
+    loss: torch.Tensor
+    tokens: float
+    clipped_sum: float
+    approx_kl_sum: float
+    kl_sum: float
+    entropy_sum: float
+
+
+def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+              loss_mask: torch.Tensor, clip_range: float, num_tokens: float | None = None,
+              logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
+              entropy: torch.Tensor | None = None) -> LossOut:
+    """Clipped-surrogate GRPO loss with token-level normalization.
+
+    logp, logp_old (the sampler's logprobs), loss_mask: [B, T]; advantages: [B]
+    (broadcast to every policy token of the episode); logp_ref, entropy: [B, T] or None.
+    Per token: rho = exp(logp - logp_old),
+    l = -min(rho * A, clip(rho, 1 - eps, 1 + eps) * A) + kl_coef * k3(logp, logp_ref).
+    The loss is sum(l * mask) / num_tokens, where num_tokens defaults to mask.sum();
+    pass the whole batch's policy-token count so that micro-batch losses add up to the
+    batch's per-token mean.
+    Sources: PPO clip, Schulman et al. 2017, arXiv 1707.06347 eq. 7 (eps = clip_range);
+    GRPO, arXiv 2402.03300 eq. 3; token-level normalization, DAPO arXiv 2503.14476 §3.3.
+    clip fraction counts tokens with |rho - 1| > eps and approx KL is k3 of
+    KL(sampler || current), (rho - 1) - log rho (both as in CleanRL's PPO).
+    Raises ValueError on mismatched shapes.
+    """
+    if logp.shape != logp_old.shape or logp.shape != loss_mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)} and "
+                         f"loss_mask {tuple(loss_mask.shape)} must have the same shape")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [{logp.shape[0]}], got {tuple(advantages.shape)}")
+    mask = loss_mask.to(logp.dtype)
+    keep = mask > 0
+    tokens = float(mask.sum())
+    denom = float(num_tokens) if num_tokens is not None else max(tokens, 1.0)
+    # masked positions may hold anything (padding, even inf/NaN): select, never multiply,
+    # so that nothing from them reaches the loss or the gradient
+    logp = torch.where(keep, logp, 0.0)
+    logp_old = torch.where(keep, logp_old, 0.0)
+    ratio = torch.exp(logp - logp_old)
+    adv = advantages.to(logp.dtype).unsqueeze(1)
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * adv)
+    per_token = -surrogate
+    kl_sum = 0.0
+    if logp_ref is not None:
+        kl = torch.where(keep, k3_kl(logp, torch.where(keep, logp_ref, 0.0)), 0.0)
+        kl_sum = float(kl.detach().sum())
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+    loss = torch.where(keep, per_token, 0.0).sum() / denom
+    with torch.no_grad():
+        clipped = ((ratio - 1.0).abs() > clip_range)[keep].sum()
+        # samples come from the sampler, so KL(sampler || current) is the one k3 estimates here
+        approx_kl = k3_kl(logp_old, logp)[keep].sum()
+        ent = entropy[keep].sum() if entropy is not None else torch.zeros(())
+    return LossOut(loss, tokens, float(clipped), float(approx_kl), kl_sum, float(ent))

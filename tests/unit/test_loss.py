@@ -1,0 +1,111 @@
+"""The GRPO objective: advantages, clipped surrogate, masking, KL, normalization."""
+
+import math
+
+import pytest
+import torch
+
+from opentinker.services.learner.loss import group_advantages, grpo_loss, k3_kl, token_logprobs
+
+
+def test_advantages_are_group_relative_and_zero_for_a_flat_group():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    adv = group_advantages(rewards)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()  # sample std, as TRL and verl
+    assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.equal(adv[1], torch.zeros(4))
+
+
+def test_advantages_reject_a_flat_vector():
+    with pytest.raises(ValueError, match="n_groups, group_size"):
+        group_advantages(torch.tensor([1.0, 0.0]))
+
+
+def test_clipped_surrogate_matches_hand_computation():
+    eps = 0.2
+    logp_old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    # ratios 1.5 (clipped to 1.2), 0.6 (clipped to 0.8), 1.1 (inside)
+    logp = torch.log(torch.tensor([[0.75, 0.3, 0.55]]))
+    mask = torch.ones(1, 3)
+    for a in (1.0, -2.0):
+        out = grpo_loss(logp, logp_old, torch.tensor([a]), mask, eps)
+        hand = [-min(r * a, max(min(r, 1 + eps), 1 - eps) * a) for r in (1.5, 0.6, 1.1)]
+        assert out.loss.item() == pytest.approx(sum(hand) / 3, rel=1e-5)
+    assert out.clipped_sum == 2.0  # |rho - 1| > eps at the first two tokens
+
+
+def test_gradient_is_zero_where_the_clip_binds():
+    logp_old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
+    grpo_loss(logp, logp_old, torch.tensor([1.0]), torch.ones(1, 2), 0.2).loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
+
+
+def test_masked_tokens_contribute_nothing():
+    torch.manual_seed(0)
+    logp = (-torch.rand(2, 5)).requires_grad_()
+    logp_old, logp_ref = -torch.rand(2, 5), -torch.rand(2, 5)
+    mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]], dtype=torch.float32)
+    adv = torch.tensor([1.0, -1.0])
+    out = grpo_loss(logp, logp_old, adv, mask, 0.2, logp_ref=logp_ref, kl_coef=0.1)
+    out.loss.backward()
+    assert torch.all(logp.grad[mask == 0] == 0)
+    assert out.tokens == 5.0
+    # wild values under the mask (padding, prompt tokens) change nothing
+    wild = logp.detach().clone()
+    wild[mask == 0] = -50.0
+    out2 = grpo_loss(wild, logp_old, adv, mask, 0.2, logp_ref=logp_ref, kl_coef=0.1)
+    assert out2.loss.item() == pytest.approx(out.loss.item())
+    assert out2.kl_sum == pytest.approx(out.kl_sum)
+
+
+def test_k3_kl_is_zero_for_equal_policies_and_positive_otherwise():
+    logp = -torch.rand(3, 4)
+    assert torch.all(k3_kl(logp, logp) == 0)
+    assert torch.all(k3_kl(logp, logp - 0.3) > 0)
+    out = grpo_loss(logp, logp, torch.ones(3), torch.ones(3, 4), 0.2, logp_ref=logp, kl_coef=1.0)
+    assert out.kl_sum == 0.0 and out.approx_kl_sum == 0.0
+
+
+def test_micro_batch_losses_add_up_to_the_token_mean():
+    torch.manual_seed(1)
+    logp, logp_old = -torch.rand(4, 6), -torch.rand(4, 6)
+    mask = (torch.rand(4, 6) > 0.3).float()
+    adv = torch.randn(4)
+    whole = grpo_loss(logp, logp_old, adv, mask, 0.2).loss
+    total = float(mask.sum())
+    parts = sum(grpo_loss(logp[k:k + 2], logp_old[k:k + 2], adv[k:k + 2], mask[k:k + 2], 0.2,
+                          num_tokens=total).loss for k in (0, 2))
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_token_logprobs_are_target_aligned():
+    V = 5
+    logits = torch.randn(1, 4, V)
+    ids = torch.tensor([[1, 3, 0, 4]])
+    logp, entropy = token_logprobs(logits, ids)
+    ref = torch.log_softmax(logits, -1)
+    for t in range(3):
+        assert logp[0, t].item() == pytest.approx(ref[0, t, ids[0, t + 1]].item(), abs=1e-6)
+    assert logp[0, 3] == 0 and entropy[0, 3] == 0
+    assert 0 < entropy[0, 0].item() <= math.log(V) + 1e-6
+
+
+def test_temperature_scales_logits():
+    logits = torch.randn(1, 3, 7)
+    ids = torch.tensor([[0, 1, 2]])
+    hot, _ = token_logprobs(logits, ids, temperature=0.5)
+    ref, _ = token_logprobs(logits * 2, ids)
+    assert torch.allclose(hot, ref, atol=1e-6)
+
+
+def test_non_finite_values_under_the_mask_do_not_leak():
+    logp = torch.tensor([[float("nan"), -1.0, float("-inf")]], requires_grad=True)
+    logp_old = torch.tensor([[0.0, -1.2, float("nan")]])
+    mask = torch.tensor([[0.0, 1.0, 0.0]])
+    logp_ref = torch.tensor([[float("nan"), -1.1, float("nan")]])
+    out = grpo_loss(logp, logp_old, torch.tensor([1.0]), mask, 0.2, logp_ref=logp_ref, kl_coef=0.5,
+                    entropy=torch.tensor([[float("nan"), 2.0, 0.0]]))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all()
+    assert out.entropy_sum == 2.0 and math.isfinite(out.kl_sum) and out.kl_sum > 0
