@@ -118,3 +118,10 @@ def services(nats_url, home, tmp_path):
     s = Services(nats_url, home, tmp_path)
     yield s
     s.stop_all()
+
+
+async def delete_consumers(bus, stream: str) -> None:
+    """Remove every consumer of `stream`. A work-queue stream allows only non-overlapping
+    consumers, so a test that plays a service's part clears the service's consumer first."""
+    for info in await bus.js.consumers_info(stream):
+        await bus.js.delete_consumer(stream, info.name)

@@ -12,6 +12,9 @@ import time
 
 import msgspec
 import pytest
+import pytest_asyncio
+
+from conftest import delete_consumers
 import torch
 from nats.js.api import DeliverPolicy
 from safetensors.torch import load as load_safetensors
@@ -62,6 +65,16 @@ def remove_job_files(job_id, home):
     yield
     for d in (home / "checkpoints").glob(f"{job_id}*"):
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def play_the_rollout_side(bus):
+    """These tests answer rollout requests themselves. A work-queue stream allows only
+    non-overlapping consumers, so the rollout workers' shared consumer (left by other
+    tests) goes before, and the per-job fake consumers go after."""
+    await delete_consumers(bus, "OT_ROLLOUT")
+    yield
+    await delete_consumers(bus, "OT_ROLLOUT")
 
 
 async def drain(bus, sub, kind, into: list) -> None:

@@ -9,6 +9,8 @@ from opentinker.schemas import subjects as S
 from opentinker.schemas.job import SpecError
 from opentinker.sdk import Client, JobFailed
 
+from conftest import delete_consumers
+
 
 @pytest.fixture
 async def client(services, nats_url):
@@ -52,7 +54,8 @@ async def test_submit_records_assigns_and_cancels(client, bus, job_id):
     rec = await job.record()
     assert rec.state == JobState.QUEUED and rec.spec.steps == 3
 
-    # the assignment is on the learners' work queue
+    # the assignment is on the learners' work queue (take the learners' place to see it)
+    await delete_consumers(bus, "OT_CTL")
     sub = await bus.pull("OT_CTL", f"peek-{job_id}", S.ASSIGN_LEARNER)
     found = False
     for m in await bus.fetch(sub, 100, 3):
@@ -61,6 +64,7 @@ async def test_submit_records_assigns_and_cancels(client, bus, job_id):
             found = True
             await m.ack()  # take it, as a learner would
     assert found
+    await delete_consumers(bus, "OT_CTL")
 
     # attach by id from a second client, cancel, and wait
     other = await Client.connect(client.bus.nc.connected_url.geturl())
