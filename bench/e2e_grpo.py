@@ -87,7 +87,8 @@ def run_trl(steps: int, model_path: str, game_cls) -> dict:
         num_generations=s["group_size"], max_completion_length=32, temperature=1.0, top_p=1.0,
         learning_rate=s["lr"], beta=0.0, epsilon=0.2, max_steps=steps, logging_steps=1,
         use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=0,
-        gradient_accumulation_steps=1, shuffle_dataset=False,
+        gradient_accumulation_steps=1, shuffle_dataset=False, lr_scheduler_type="constant",
+        warmup_steps=0,
     )
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=cfg,

@@ -99,3 +99,33 @@ async def test_scheduler_restart_keeps_jobs(services, client, job_id):
         except Exception:
             await asyncio.sleep(0.2)
     assert reply.ok
+
+
+def test_sync_client_and_cli(services, nats_url, job_id):
+    """The notebook API and the CLI reach the same jobs."""
+    import subprocess
+    import sys
+    import time
+
+    from opentinker.sdk import SyncClient
+
+    services.start("scheduler")
+    sc = SyncClient(nats_url)
+    try:
+        for _ in range(100):
+            try:
+                job = sc.submit({"env": "arith", "steps": 2}, job_id=job_id)
+                break
+            except Exception:
+                time.sleep(0.2)
+        assert job.record().state == JobState.QUEUED
+        assert job_id in [r.job_id for r in sc.jobs()]
+        cli = [sys.executable, "-m", "opentinker.sdk.cli", "--nats-url", nats_url]
+        out = subprocess.run([*cli, "jobs"], capture_output=True, text=True, check=True).stdout
+        assert job_id in out and "queued" in out
+        out = subprocess.run([*cli, "cancel", job_id], capture_output=True, text=True)
+        assert out.returncode == 0 and "cancelled" in out.stdout
+        rec = job.wait(timeout_s=10, raise_on_failure=False)
+        assert rec.state == JobState.CANCELLED
+    finally:
+        sc.close()

