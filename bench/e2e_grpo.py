@@ -1,9 +1,9 @@
 """End-to-end GRPO benchmark: TRL's GRPOTrainer vs the OpenTinker stack, one after the
 other in one run, same task, model, batch and step count.
 
-    .venv/bin/python bench/e2e_grpo.py [--steps 20] [--out bench/results/e2e_grpo.json]
+    .venv/bin/python bench/e2e_grpo.py [--steps 40] [--out bench/results/e2e_grpo.json]
 
-Both sides: SmolLM2-135M-Instruct (from the GGUF), LoRA r8 on q/v, lr 5e-4, 4 prompts x 8
+Both sides: SmolLM2-135M-Instruct (from the GGUF), LoRA r8 on q/v, lr 1e-3, 4 prompts x 8
 samples per step, 32 new tokens, temperature 1.0, beta 0 (no KL), single-digit addition
 from the `arith` environment with its own reward. TRL generates with transformers in
 process; OpenTinker runs every service as its own process on NATS (rollout on vLLM).
@@ -31,7 +31,7 @@ def spec(steps: int) -> dict:
         "name": "bench-arith", "model": "smollm2-135m-instruct", "env": "arith",
         "env_args": {"op": "add", "digits": 1}, "lora_rank": 8, "lora_alpha": 16,
         "lora_target_modules": ["q_proj", "v_proj"], "prompts_per_step": 4, "group_size": 8,
-        "steps": steps, "lr": 5e-4, "kl_coef": 0.0, "clip_range": 0.2, "max_staleness": 0,
+        "steps": steps, "lr": 1e-3, "kl_coef": 0.0, "clip_range": 0.2, "max_staleness": 0,
         "micro_batch_size": 16, "seed": 0, "checkpoint_every": 1000,
         "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 32, "max_turns": 1},
     }
@@ -95,6 +95,7 @@ def run_trl(steps: int, model_path: str, game_cls) -> dict:
                           train_dataset=Dataset.from_list(rows),
                           peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                  lora_dropout=0.0, task_type="CAUSAL_LM"))
+    trainer.add_callback(Clock())
     t_ready = time.perf_counter()
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
@@ -141,7 +142,7 @@ def run_opentinker(steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e_grpo.json"))
     p.add_argument("--only", choices=["trl", "opentinker"])
     args = p.parse_args()
