@@ -38,6 +38,15 @@ def _nats_url(args: argparse.Namespace) -> str:
     return args.nats_url or discover_nats_url(_home()) or "nats://127.0.0.1:4222"
 
 
+def _console():
+    """A rich console; when output is not a terminal (pipes, CI), wide enough that
+    tables are never truncated."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=240)
+
+
 def _parse_value(raw: str) -> Any:
     try:
         return tomllib.loads(f"v = {raw}")["v"]
@@ -79,13 +88,12 @@ async def _submit_with_retry(client, spec: dict, job_id: str, wait_s: float):
 
 
 async def _train(args: argparse.Namespace, nats_url: str) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from opentinker.sdk.client import Client
     from opentinker.schemas.job import SpecError
 
-    console = Console()
+    console = _console()
     spec = load_job_config(args.config, args.set)
     client = await Client.connect(nats_url)
     try:
@@ -191,7 +199,6 @@ def _restart(stack, name: str):
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from opentinker.sdk.client import SyncClient
@@ -204,7 +211,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     t = Table("job", "state", "step", "steps", "model", "env", "reason")
     for r in recs:
         t.add_row(r.job_id, r.state.value, str(r.step), str(r.spec.steps), r.spec.model, r.spec.env, r.reason)
-    Console().print(t)
+    _console().print(t)
     return 0
 
 
@@ -221,7 +228,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from opentinker.services.recorder.query import run_query
@@ -231,7 +237,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     t = Table(*cols)
     for r in rows:
         t.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r))
-    Console(width=200).print(t)
+    _console().print(t)
     return 0
 
 
