@@ -125,3 +125,21 @@ async def delete_consumers(bus, stream: str) -> None:
     consumers, so a test that plays a service's part clears the service's consumer first."""
     for info in await bus.js.consumers_info(stream):
         await bus.js.delete_consumer(stream, info.name)
+
+
+def make_lora(model_dir: str, r: int, alpha: int, std: float, seed: int):
+    """A peft LoRA on q/v of `model_dir` with lora_B drawn from N(0, std) (so it is not a
+    no-op). Returns (adapter state dict as the learner publishes it, peft's merged model)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, std)
+    sd = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(peft).items()}
+    return sd, peft.merge_and_unload()

@@ -118,18 +118,10 @@ def check_masks(t: Trajectory, tokenizer) -> None:
 def lora_adapter(model_dir: str) -> tuple[bytes, dict[str, torch.Tensor]]:
     """A peft LoRA (r 8, alpha 16, q/v) with a perturbed lora_B: its safetensors
     bytes and the merged model's state dict."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
+    from conftest import make_lora
 
-    torch.manual_seed(1)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 1.0)
-    data = save({k: v.contiguous() for k, v in get_peft_model_state_dict(peft).items()})
-    return data, peft.merge_and_unload()
+    sd, merged = make_lora(model_dir, r=8, alpha=16, std=1.0, seed=1)
+    return save(sd), merged
 
 
 async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, tmp_path):

@@ -24,19 +24,10 @@ from opentinker.services.rollout.weights import (
 def adapted(tiny_model):
     """A peft LoRA (r 4, alpha 8, q/v) on the tiny model with a non-zero lora_B, its
     state dict as the learner publishes it, and peft's merged weights."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
+    from conftest import make_lora
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    sd = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft).items()}
-    merged = {k: v.detach().clone() for k, v in peft.merge_and_unload().state_dict().items()}
-    return sd, merged
+    sd, model = make_lora(tiny_model, r=4, alpha=8, std=0.05, seed=0)
+    return sd, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_merge_matches_peft_merge_and_unload(tiny_model, adapted):
