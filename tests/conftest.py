@@ -5,11 +5,9 @@ services started as real subprocesses and stopped by PID."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 

@@ -2,7 +2,6 @@
 
 import asyncio
 
-import msgspec
 
 from opentinker.schemas import DeadLetter, Metrics, decode
 from opentinker.schemas import subjects as S

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from opentinker.schemas import JobAssigned, JobState, SubmitJob, decode, encode
+from opentinker.schemas import JobAssigned, JobState, decode
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import SpecError
 from opentinker.sdk import Client, JobFailed
