@@ -105,6 +105,14 @@ def validate_job_spec(spec: JobSpec) -> JobSpec:
     return spec
 
 
+def error_field(e: msgspec.ValidationError) -> str:
+    """The dotted field a msgspec ValidationError names ("sampling.top_p", or the unknown
+    field itself), or "" when it names none."""
+    text = str(e)
+    m = re.search(r"at `\$\.([^`]+)`", text) or re.search(r"unknown field `([^`]+)`", text)
+    return m.group(1) if m else ""
+
+
 def spec_from_dict(data: dict[str, Any]) -> JobSpec:
     """Build and validate a JobSpec from plain data (a parsed TOML file, a REST body).
 
@@ -113,8 +121,5 @@ def spec_from_dict(data: dict[str, Any]) -> JobSpec:
     try:
         spec = msgspec.convert(data, JobSpec)
     except msgspec.ValidationError as e:
-        text = str(e)
-        m = re.search(r"at `\$\.([^`]+)`", text)
-        field = m.group(1) if m else (re.search(r"unknown field `([^`]+)`", text) or [None, "spec"])[1]
-        raise SpecError(field, text) from None
+        raise SpecError(error_field(e) or "spec", str(e)) from None
     return validate_job_spec(spec)

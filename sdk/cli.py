@@ -177,22 +177,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                 if p.poll() is not None and not stopping:
                     # a service can be killed and restarted at any time (DESIGN.md)
                     print(f"{name} exited with {p.returncode}; restarting", flush=True)
-                    stack.procs[name] = _restart(stack, name)
+                    time.sleep(1.0)
+                    stack.spawn(name)
     finally:
         print("stopping...", flush=True)
         stack.stop()
     return 0
-
-
-def _restart(stack, name: str):
-    import subprocess
-
-    env = dict(os.environ, NATS_URL=stack.nats_url, OPENTINKER_HOME=str(stack.home), PYTHONUNBUFFERED="1")
-    log = open(stack.log_dir / f"{name}.log", "ab")
-    time.sleep(1.0)
-    return subprocess.Popen([sys.executable, "-m", f"opentinker.services.{name}"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
 
 
 # -- small commands ----------------------------------------------------------------------

@@ -41,18 +41,23 @@ class Stack:
             self.server = NatsServer(self.home / "nats", port=port,
                                      log_file=self.log_dir / "nats-server.log").start()
             self.nats_url = self.server.url
-        env = dict(os.environ, NATS_URL=self.nats_url, OPENTINKER_HOME=str(self.home),
-                   PYTHONUNBUFFERED="1")
         for name in self.services:
-            log = open(self.log_dir / f"{name}.log", "ab")
-            cmd = [sys.executable, "-m", f"opentinker.services.{name}", *self.overrides.get(name, [])]
-            self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True)
+            self.spawn(name)
         time.sleep(1.0)
         self.check()
         (self.home / "stack.json").write_text(json.dumps(
             {"nats_url": self.nats_url, "pids": {n: p.pid for n, p in self.procs.items()}}))
         return self
+
+    def spawn(self, name: str) -> subprocess.Popen:
+        """Start (or restart) service `name` as a child process logging to <home>/logs."""
+        env = dict(os.environ, NATS_URL=self.nats_url, OPENTINKER_HOME=str(self.home),
+                   PYTHONUNBUFFERED="1")
+        log = open(self.log_dir / f"{name}.log", "ab")
+        cmd = [sys.executable, "-m", f"opentinker.services.{name}", *self.overrides.get(name, [])]
+        self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        return self.procs[name]
 
     def check(self) -> None:
         """Raise RuntimeError naming any service that has exited."""

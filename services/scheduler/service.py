@@ -35,7 +35,7 @@ from opentinker.schemas import (
     SubmitReply, decode, encode,
 )
 from opentinker.schemas import subjects as S
-from opentinker.schemas.job import JOB_ID_RE, SpecError, validate_job_spec
+from opentinker.schemas.job import JOB_ID_RE, SpecError, error_field, validate_job_spec
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.runner import run_service
@@ -55,10 +55,8 @@ def refuse_submit(data: bytes) -> SubmitReply | SubmitJob:
     try:
         cmd = decode(data, SubmitJob)
     except msgspec.ValidationError as e:
-        text = str(e)
-        field = text.split("at `$.", 1)[1].split("`")[0] if "at `$." in text else ""
-        field = field.removeprefix("spec.")
-        return SubmitReply(ok=False, error=f"invalid job spec: {text}", field=field)
+        return SubmitReply(ok=False, error=f"invalid job spec: {e}",
+                           field=error_field(e).removeprefix("spec."))
     except msgspec.DecodeError as e:
         return SubmitReply(ok=False, error=f"undecodable SubmitJob: {e}", field="")
     try:
