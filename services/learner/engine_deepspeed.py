@@ -66,7 +66,7 @@ class TrainEngine:
         self.spec = spec
         self.device = device
         self.kind = "lora" if spec.lora_rank > 0 else "full"
-        self.batch_size = spec.prompts_per_step * spec.group_size
+        self.batch_size = spec.episodes_per_step
         self.n_micro = math.ceil(self.batch_size / spec.micro_batch_size)
         dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
 

@@ -529,7 +529,12 @@ async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
             job_id=job_id, state=JobState.FAILED, reason=str(e), time_s=time.time(), source=SERVICE))
         await m.term()
         return
-    job = JobRun(settings, bus, stop, executor, assigned, incarnation=m.metadata.num_delivered or 1)
+    run_cls = JobRun
+    if assigned.spec.algorithm == "sft":
+        from opentinker.services.learner.sft import SFTRun
+
+        run_cls = SFTRun
+    job = run_cls(settings, bus, stop, executor, assigned, incarnation=m.metadata.num_delivered or 1)
     if await job.already_terminal():
         log.info("job %s is already terminal; not starting it", job_id)
         await m.ack()

@@ -21,41 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from opentinker.schemas import JobStateChanged, Metrics, Trajectory
-
-TURN = pa.struct([
-    ("gen_start", pa.int32()), ("gen_end", pa.int32()), ("obs_end", pa.int32()),
-    ("reward", pa.float64()), ("policy_version", pa.int64()), ("finish_reason", pa.string()),
-    ("action", pa.string()), ("observation", pa.string()),
-    ("gen_ms", pa.float64()), ("env_ms", pa.float64()),
-])
-
-SCHEMAS: dict[str, pa.Schema] = {
-    "trajectories": pa.schema([
-        ("job_id", pa.string()), ("step", pa.int64()), ("episode_id", pa.string()),
-        ("request_id", pa.string()), ("group_index", pa.int64()), ("group_size", pa.int64()),
-        ("split", pa.string()), ("env", pa.string()), ("reward", pa.float64()),
-        ("policy_version", pa.int64()), ("num_turns", pa.int64()), ("num_tokens", pa.int64()),
-        ("num_policy_tokens", pa.int64()), ("prompt_len", pa.int64()),
-        ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
-        ("logprobs", pa.list_(pa.float32())), ("turns", pa.list_(TURN)),
-        ("env_info", pa.string()), ("error", pa.string()), ("worker", pa.string()),
-        ("engine", pa.string()), ("gen_ms", pa.float64()), ("env_ms", pa.float64()),
-        ("created_s", pa.float64()), ("seq", pa.int64()),
-    ]),
-    # Long format so `SELECT step, value FROM metrics WHERE key = 'reward_mean'` needs
-    # no knowledge of which keys a job happened to log.
-    "metrics": pa.schema([
-        ("job_id", pa.string()), ("step", pa.int64()), ("policy_version", pa.int64()),
-        ("split", pa.string()), ("time_s", pa.float64()), ("key", pa.string()),
-        ("value", pa.float64()), ("seq", pa.int64()),
-    ]),
-    "events": pa.schema([
-        ("job_id", pa.string()), ("state", pa.string()), ("reason", pa.string()),
-        ("step", pa.int64()), ("time_s", pa.float64()), ("source", pa.string()),
-        ("seq", pa.int64()),
-    ]),
-}
-
+from opentinker.services.core.logdb import SCHEMAS
 
 def trajectory_rows(t: Trajectory, seq: int) -> list[dict[str, Any]]:
     """One row per episode. `env_info` is stored as a JSON string."""

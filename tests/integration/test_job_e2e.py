@@ -59,7 +59,7 @@ async def _with_timeout(agen, timeout_s, services):
 
 
 async def _rows(data_dir, sql, expect, timeout_s=30):
-    from opentinker.services.recorder.query import run_query
+    from opentinker.services.core.logdb import run_query
 
     for _ in range(int(timeout_s / 0.5)):
         cols, rows = run_query(sql, str(data_dir))
@@ -98,7 +98,7 @@ async def test_multi_turn_episode_masks(services, nats_url, tmp_path, tiny_model
     spec = _spec(tiny_model, "guess-number", "hf", max_turns=3, env_args={"n": 1000, "max_turns": 3})
     rec, steps, data_dir, client = await _run_job(services, nats_url, tmp_path, spec, job_id)
     await client.close()
-    from opentinker.services.recorder.query import run_query
+    from opentinker.services.core.logdb import run_query
 
     n = spec["steps"] * spec["prompts_per_step"] * spec["group_size"]
     await _rows(data_dir, f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id='{job_id}'", n)

@@ -11,7 +11,7 @@ from nats.js.api import DeliverPolicy
 
 from opentinker.schemas import DeadLetter, JobState, JobStateChanged, Metrics, Trajectory, TurnRecord, decode
 from opentinker.schemas import subjects as S
-from opentinker.services.recorder.query import connect, run_query
+from opentinker.services.core.logdb import connect, run_query
 
 FAST = ("recorder_flush_s=0.3", "recorder_ack_wait_s=3")
 

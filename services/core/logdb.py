@@ -1,4 +1,8 @@
-"""DuckDB over the trajectory log: `opentinker query "SQL"`.
+"""The trajectory log's schema and DuckDB views over it: `opentinker query "SQL"`.
+
+Shared by the recorder (which writes the Parquet parts) and every reader (the CLI,
+the learner's SFT-from-log path, `opentinker infer`): the log is a contract, like
+the bus messages.
 
 Views (one row per thing, however often the recorder wrote it):
 - `trajectories`: one row per (job_id, episode_id); columns as in store.SCHEMAS.
@@ -18,8 +22,42 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 
-from opentinker.services.recorder.store import SCHEMAS
+TURN = pa.struct([
+    ("gen_start", pa.int32()), ("gen_end", pa.int32()), ("obs_end", pa.int32()),
+    ("reward", pa.float64()), ("policy_version", pa.int64()), ("finish_reason", pa.string()),
+    ("action", pa.string()), ("observation", pa.string()),
+    ("gen_ms", pa.float64()), ("env_ms", pa.float64()),
+])
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "trajectories": pa.schema([
+        ("job_id", pa.string()), ("step", pa.int64()), ("episode_id", pa.string()),
+        ("request_id", pa.string()), ("group_index", pa.int64()), ("group_size", pa.int64()),
+        ("split", pa.string()), ("env", pa.string()), ("reward", pa.float64()),
+        ("policy_version", pa.int64()), ("num_turns", pa.int64()), ("num_tokens", pa.int64()),
+        ("num_policy_tokens", pa.int64()), ("prompt_len", pa.int64()),
+        ("token_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+        ("logprobs", pa.list_(pa.float32())), ("turns", pa.list_(TURN)),
+        ("env_info", pa.string()), ("error", pa.string()), ("worker", pa.string()),
+        ("engine", pa.string()), ("gen_ms", pa.float64()), ("env_ms", pa.float64()),
+        ("created_s", pa.float64()), ("seq", pa.int64()),
+    ]),
+    # Long format so `SELECT step, value FROM metrics WHERE key = 'reward_mean'` needs
+    # no knowledge of which keys a job happened to log.
+    "metrics": pa.schema([
+        ("job_id", pa.string()), ("step", pa.int64()), ("policy_version", pa.int64()),
+        ("split", pa.string()), ("time_s", pa.float64()), ("key", pa.string()),
+        ("value", pa.float64()), ("seq", pa.int64()),
+    ]),
+    "events": pa.schema([
+        ("job_id", pa.string()), ("state", pa.string()), ("reason", pa.string()),
+        ("step", pa.int64()), ("time_s", pa.float64()), ("source", pa.string()),
+        ("seq", pa.int64()),
+    ]),
+}
+
 
 # What identifies one logical row; duplicates of it are the same message written twice
 # (or a learner re-logging a step after resuming, where the latest wins).
