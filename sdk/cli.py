@@ -4,10 +4,12 @@
     opentinker train CONFIG.toml [--up] [--set KEY=VALUE]   submit a job, show progress
     opentinker jobs | cancel JOB       list jobs, cancel one
     opentinker query "SQL"             DuckDB over the trajectory log (views trajectories, metrics, events)
+    opentinker infer [CONFIG.toml] --env E [--adapter DIR | --job JOB]   run a policy on an env
     opentinker envhost --env mod:Class serve a user environment
     opentinker serve NAME [KEY=VALUE]  run one service (scheduler, rollout, learner, envhost, recorder)
     opentinker data gsm8k              GSM8K JSONL -> Parquet for the gsm8k environment
     opentinker models prepare [MODEL]  convert/resolve a model once
+    opentinker serve-model [--adapter PATH | --job JOB]  OpenAI-compatible endpoint (vLLM)
 """
 
 from __future__ import annotations
@@ -114,9 +116,14 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
         with Progress(*cols, console=console, transient=False) as progress:
             task = progress.add_task(job.id, total=total, reward="-", step_s="-")
             async for m in job.metrics():
+                v = m.values
+                if m.split == "eval":
+                    progress.console.print(
+                        f"eval after {m.step:>3} steps  reward {v.get('reward_mean', 0):.3f}"
+                        f"  correct {v.get('correct_frac', 0):.3f}  ({v.get('episodes', 0):.0f} episodes)")
+                    continue
                 if m.split != "train":
                     continue
-                v = m.values
                 rewards.append(v.get("reward_mean", float("nan")))
                 progress.update(task, completed=m.step + 1, reward=f"{v.get('reward_mean', 0):.3f}",
                                 step_s=f"{v.get('step_time_s', 0):.1f}s")
@@ -146,6 +153,97 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"stack up: NATS {stack.nats_url}, logs in {stack.log_dir}", flush=True)
     try:
         return asyncio.run(_train(args, stack.nats_url))
+    finally:
+        stack.stop()
+
+
+# -- infer ------------------------------------------------------------------------------
+
+
+def infer_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `infer` keyword arguments from CONFIG (a job spec: env, env_args, model,
+    sampling limits) and the flags, flags winning. Sampling is greedy unless
+    --temperature is given. Raises SystemExit naming a bad flag."""
+    from opentinker.schemas import SamplingParams
+    from opentinker.schemas.job import SpecError, spec_from_dict
+
+    base: dict[str, Any] = {}
+    if args.config:
+        try:
+            spec = spec_from_dict(load_job_config(args.config, []))
+        except SpecError as e:
+            raise SystemExit(f"{args.config}: {e}") from None
+        base = {"env": spec.env, "env_args": dict(spec.env_args), "model": spec.model,
+                "sampling": spec.sampling}
+    env_args = dict(base.get("env_args", {}))
+    for item in args.env_arg:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--env-arg {item!r}: expected KEY=VALUE")
+        env_args[key] = _parse_value(raw)
+    env = args.env or base.get("env")
+    if not env:
+        raise SystemExit("--env: name the environment (or pass a job CONFIG.toml)")
+    s = base.get("sampling") or SamplingParams(max_new_tokens=256, max_total_tokens=2048)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=s.top_p if args.temperature > 0 else 1.0,
+        max_new_tokens=args.max_new_tokens or s.max_new_tokens,
+        max_total_tokens=max(s.max_total_tokens, (args.max_new_tokens or 0) + 1),
+        max_turns=args.max_turns or s.max_turns)
+    return dict(env=env, env_args=env_args, model=args.model or (None if args.job else base.get("model")),
+                adapter=args.adapter, job=args.job, episodes=args.episodes, group_size=args.group_size,
+                split=args.split, seed=args.seed, sampling=sampling, engine=args.engine,
+                timeout_s=args.timeout)
+
+
+async def _infer(args: argparse.Namespace, nats_url: str) -> int:
+    from rich.table import Table
+
+    from opentinker.sdk.client import Client
+    from opentinker.sdk.infer import InferError, infer, new_run_id
+
+    kw = infer_settings(args)
+    run_id = args.run_id or new_run_id()
+    out_dir = args.out or str(Path(_home()) / "infer" / run_id)
+    console = _console()
+    client = await Client.connect(nats_url)
+    n = 0
+
+    def progress(t) -> None:
+        nonlocal n
+        n += 1
+        if n % max(1, args.episodes // 10) == 0 or n == args.episodes:
+            console.print(f"  {n}/{args.episodes} episodes")
+
+    try:
+        console.print(f"inference run [bold]{run_id}[/]: {kw['env']} ({kw['split']}), "
+                      f"{kw['model'] or '(the job model)'}"
+                      f"{' + ' + (kw['adapter'] or 'job ' + kw['job']) if kw['adapter'] or kw['job'] else ''}")
+        try:
+            res = await infer(client, run_id=run_id, out_dir=out_dir, on_episode=progress, **kw)
+        except (InferError, ValueError) as e:
+            console.print(f"[red]inference failed:[/] {e}")
+            return 1
+    finally:
+        await client.close()
+    t = Table("metric", "value")
+    for k, v in res.summary.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+    console.print(t)
+    console.print(f"results in {res.out_dir}")
+    return 0
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    if not args.up:
+        return asyncio.run(_infer(args, _nats_url(args)))
+    from opentinker.sdk.stack import Stack
+
+    stack = Stack(_home(), nats_url=os.environ.get("NATS_URL") or None).start()
+    print(f"stack up: NATS {stack.nats_url}, logs in {stack.log_dir}", flush=True)
+    try:
+        return asyncio.run(_infer(args, stack.nats_url))
     finally:
         stack.stop()
 
@@ -243,6 +341,12 @@ def cmd_envhost(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_model(args: argparse.Namespace) -> int:
+    from opentinker.sdk.serve_model import main
+
+    return main(args.rest)
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from opentinker.services.envhost.envs.gsm8k import prepare_gsm8k
 
@@ -277,6 +381,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--detach", action="store_true", help="print the job id and return")
     s.set_defaults(fn=cmd_train)
 
+    s = sub.add_parser("infer", help="run a base model, an adapter or a job's policy on an environment")
+    s.add_argument("config", nargs="?", help="a job spec TOML: its env, env_args, model and sampling limits")
+    s.add_argument("--env", help="environment name (default: the CONFIG's)")
+    s.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="an env_args entry")
+    s.add_argument("--model", help="base model id or path (default: the CONFIG's, the job's, or SmolLM2)")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--adapter", help="a peft LoRA adapter folder (e.g. <home>/checkpoints/JOB/final)")
+    src.add_argument("--job", help="a job id: its latest policy")
+    s.add_argument("--episodes", type=int, default=32)
+    s.add_argument("--group-size", type=int, default=1, help="episodes per initial state")
+    s.add_argument("--split", default="test", help="the env's split (default: test, held out)")
+    s.add_argument("--seed", type=int, default=0, help="same seed = same problems")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--max-new-tokens", type=int, default=0, help="per turn (default: the CONFIG's or 256)")
+    s.add_argument("--max-turns", type=int, default=0)
+    s.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
+    s.add_argument("--out", help="results folder (default <home>/infer/<run id>)")
+    s.add_argument("--run-id", default="")
+    s.add_argument("--timeout", type=float, default=1800.0, help="seconds")
+    s.add_argument("--up", action="store_true", help="start the embedded stack for this run")
+    s.set_defaults(fn=cmd_infer)
+
     s = sub.add_parser("jobs", help="list jobs")
     s.set_defaults(fn=cmd_jobs)
 
@@ -298,6 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_envhost)
 
+    s = sub.add_parser("serve-model", help="serve a model plus a trained adapter or checkpoint "
+                                           "(OpenAI API, vLLM)", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_serve_model)
+
     s = sub.add_parser("data", help="prepare a dataset")
     s.add_argument("dataset", choices=["gsm8k"])
     s.add_argument("--src", required=True, help="folder with train.jsonl and test.jsonl")
@@ -311,7 +442,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands whose arguments all pass through to another parser. argparse's REMAINDER
+# drops a leading option (`serve-model --adapter X` -> "unrecognized arguments"), so
+# these are split off before parsing.
+PASSTHROUGH = ("serve-model",)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = next((i for i, a in enumerate(argv) if a in PASSTHROUGH and (i == 0 or argv[i - 1] != "--nats-url")),
+               None)
+    if cut is not None:
+        args = build_parser().parse_args(argv[:cut + 1])
+        args.rest = argv[cut + 1:]
+        return args.fn(args) or 0
     args = build_parser().parse_args(argv)
     if args.cmd in ("serve", "envhost"):
         sys.argv = [f"opentinker {args.cmd}", *args.rest]

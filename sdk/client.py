@@ -173,6 +173,13 @@ class Client:
         """Attach to an existing job by id."""
         return Job(self, job_id)
 
+    async def infer(self, *, env: str, **kw: Any):
+        """Run a base model, an adapter or a job's policy on `env`; see sdk/infer.py
+        `infer` for the arguments. Returns an InferResult (trajectories and summary)."""
+        from opentinker.sdk.infer import infer
+
+        return await infer(self, env=env, **kw)
+
     async def jobs(self) -> list[JobRecord]:
         """Every job record, newest first."""
         kv = await self.bus.kv(S.KV_JOBS)
@@ -212,6 +219,10 @@ class SyncClient:
 
     def jobs(self) -> list[JobRecord]:
         return self._run(self._client.jobs())
+
+    def infer(self, *, env: str, **kw: Any):
+        """Blocking `Client.infer`."""
+        return self._run(self._client.infer(env=env, **kw))
 
     def close(self) -> None:
         self._run(self._client.close())

@@ -141,3 +141,48 @@ def make_lora(model_dir: str, r: int, alpha: int, std: float, seed: int):
                 p.normal_(0, std)
     sd = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(peft).items()}
     return sd, peft.merge_and_unload()
+
+
+async def submit_when_ready(client, spec: dict, job_id: str):
+    """Submit, retrying while the scheduler is still starting."""
+    import asyncio
+
+    for _ in range(100):
+        try:
+            return await client.submit(spec, job_id=job_id)
+        except Exception:  # no responder yet
+            await asyncio.sleep(0.3)
+    return await client.submit(spec, job_id=job_id)
+
+
+async def follow(job, timeout_s: float, services) -> list:
+    """Every Metrics message of `job` until it ends; fails the test (with the services'
+    logs) after `timeout_s`."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    it = job.metrics().__aiter__()
+    out = []
+    while True:
+        try:
+            out.append(await asyncio.wait_for(it.__anext__(), max(0.1, deadline - loop.time())))
+        except StopAsyncIteration:
+            return out
+        except asyncio.TimeoutError:
+            pytest.fail(f"job {job.id} did not finish in {timeout_s}s\n{services.logs()}")
+
+
+async def log_rows(data_dir, sql: str, expect: int, timeout_s: float = 30):
+    """Rows of `sql` over the log once its first value reaches `expect` (the recorder
+    flushes on a timer), or the last rows after `timeout_s`."""
+    import asyncio
+
+    from opentinker.services.core.logdb import run_query
+
+    for _ in range(int(timeout_s / 0.5)):
+        cols, rows = run_query(sql, str(data_dir))
+        if rows and rows[0][0] >= expect:
+            return rows
+        await asyncio.sleep(0.5)
+    return rows

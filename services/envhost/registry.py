@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from opentinker.sdk.env import AbstractGame
 from opentinker.services.envhost.envs.arith import ArithGame
+from opentinker.services.envhost.envs.bandit import BanditGame
+from opentinker.services.envhost.envs.code_math import CodeMathGame
+from opentinker.services.envhost.envs.gomoku import GomokuGame
 from opentinker.services.envhost.envs.gsm8k import GSM8KGame
 from opentinker.services.envhost.envs.guess_number import GuessNumberGame
 
 BUILTIN: dict[str, type[AbstractGame]] = {
-    cls.name: cls for cls in (ArithGame, GSM8KGame, GuessNumberGame)
+    cls.name: cls for cls in (ArithGame, GSM8KGame, GuessNumberGame, CodeMathGame, GomokuGame, BanditGame)
 }

@@ -18,7 +18,8 @@ Writes: the replies; `ot.dlq.envhost` for undecodable requests (no reply).
 
 Run: `opentinker envhost [--env module:Class | --env path/file.py:Class | --env arith ...]
 [--env-path DIR] [--name NAME] [KEY=VALUE ...]`, or `python -m opentinker.services.envhost`.
-With no `--env` it serves every built-in env (arith, gsm8k, guess-number).
+With no `--env` it serves every built-in env (arith, gsm8k, guess-number, code-math,
+gomoku, bandit).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ class Batch(NamedTuple):
     attention_mask: [B, T] long   1 on real tokens
     loss_mask:      [B, T] float  1 where token t+1 is a policy token (target-aligned)
     logprobs:       [B, T] float  the sampler's logprob of token t+1 (target-aligned)
-    advantages:     [B] float     one advantage per episode
+    advantages:     [B] float     one advantage per episode, or
+                    [B, T] float  one per token (turn-level credit; target-aligned)
     """
 
     input_ids: torch.Tensor
@@ -64,10 +65,26 @@ def check_trajectory(traj: Trajectory, vocab_size: int) -> None:
         raise ValueError("Trajectory.reward: must be finite")
 
 
-def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], pad_id: int) -> Batch:
-    """Pad `trajs` (right) into a target-aligned Batch; `advantages[i]` belongs to `trajs[i]`.
+def token_advantages(traj: Trajectory, per_turn: Sequence[float]) -> list[float]:
+    """[len(token_ids)] advantages: `per_turn[k]` on the policy tokens of turn k
+    ([gen_start, gen_end)), 0 elsewhere. Raises ValueError if the counts differ."""
+    if len(per_turn) != len(traj.turns):
+        raise ValueError(f"{len(per_turn)} turn advantages for {len(traj.turns)} turns")
+    out = [0.0] * len(traj.token_ids)
+    for turn, a in zip(traj.turns, per_turn):
+        out[turn.gen_start:turn.gen_end] = [a] * (turn.gen_end - turn.gen_start)
+    return out
 
-    Raises ValueError when the two lengths differ or `trajs` is empty.
+
+Advantage = float | Sequence[float]
+
+
+def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pad_id: int) -> Batch:
+    """Pad `trajs` (right) into a target-aligned Batch; `advantages[i]` belongs to `trajs[i]`:
+    a float per episode, or a [len(token_ids)] list per token (token_advantages).
+
+    Raises ValueError when the two lengths differ, `trajs` is empty, or a per-token
+    list does not match its episode's length.
     """
     if not trajs or len(trajs) != len(advantages):
         raise ValueError(f"need one advantage per trajectory, got {len(advantages)} for {len(trajs)}")
@@ -90,11 +107,19 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], pad_id
         loss_mask[b, : n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
         logprobs[b, : n - 1] = torch.tensor(t.logprobs[1:], dtype=torch.float32)
     logprobs *= loss_mask
-    return Batch(input_ids, attention_mask, loss_mask, logprobs,
-                 torch.tensor(list(advantages), dtype=torch.float32))
+    if not any(isinstance(a, Sequence) for a in advantages):
+        return Batch(input_ids, attention_mask, loss_mask, logprobs,
+                     torch.tensor(list(advantages), dtype=torch.float32))
+    adv = torch.zeros((B, T), dtype=torch.float32)
+    for b, (t, a) in enumerate(zip(trajs, advantages)):
+        if not isinstance(a, Sequence) or len(a) != len(t.token_ids):
+            raise ValueError(f"episode {b}: per-token advantages must all be lists of len(token_ids)")
+        if len(a) > 1:
+            adv[b, : len(a) - 1] = torch.tensor(list(a[1:]), dtype=torch.float32)
+    return Batch(input_ids, attention_mask, loss_mask, logprobs, adv * loss_mask)
 
 
-def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[float], micro_batch_size: int,
+def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], micro_batch_size: int,
                   pad_id: int) -> list[Batch]:
     """Split a step's episodes into Batches of at most `micro_batch_size`, grouping
     episodes of similar length so that little compute goes to padding (the gradient is

@@ -7,6 +7,7 @@ batching.py): column t belongs to the prediction made at position t of token t+1
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -29,6 +30,46 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True, unbiased=True)
     return ((rewards - mean) / (std + ADV_EPS)).to(torch.float32)
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """Per-turn returns R_t = r_t + gamma * R_{t+1} (R past the last turn is 0).
+
+    rewards: [n_turns] -> [n_turns]. Source: Sutton & Barto 2018, eq. 3.9.
+    """
+    out = [0.0] * len(rewards)
+    acc = 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        acc = float(rewards[t]) + gamma * acc
+        out[t] = acc
+    return out
+
+
+def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: float) -> list[list[list[float]]]:
+    """Turn-level GRPO advantages (OpenTinker's per-step GRPO).
+
+    turn_rewards: [n_groups][group_size][n_turns_i] per-turn rewards -> advantages of
+    the same ragged shape: A_{i,t} = (R_{i,t} - mean_j R_{j,0}) / (std_j R_{j,0} + 1e-6),
+    where R_{i,t} is the discounted return of episode i from turn t on and the group
+    statistics are those of the episodes' whole returns R_{j,0} (sample std, as
+    group_advantages). A turn that earned its episode's return gets the episode's
+    advantage; a turn after a reward was already collected is credited only with what
+    follows it. With one turn per episode (or gamma = 1 and rewards only on the last
+    turn) this is exactly group_advantages. An episode with no turn counts as return 0.
+    Sources: GTPO, arXiv 2511.17052 (per-turn returns in group-relative advantages);
+    OpenTinker's `compute_grpo_per_step_advantage` (statistics from R_0);
+    GRPO arXiv 2402.03300 eq. 3.
+    Raises ValueError for a group with fewer than 2 episodes.
+    """
+    out = []
+    for group in turn_rewards:
+        if len(group) < 2:
+            raise ValueError(f"a group needs >= 2 episodes, got {len(group)}")
+        returns = [discounted_returns(ep, gamma) for ep in group]
+        whole = torch.tensor([r[0] if r else 0.0 for r in returns], dtype=torch.float64)
+        mean, std = float(whole.mean()), float(whole.std(unbiased=True))
+        out.append([[(r_t - mean) / (std + ADV_EPS) for r_t in r] for r in returns])
+    return out
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
@@ -86,7 +127,8 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
     """Clipped-surrogate GRPO loss with token-level normalization.
 
     logp, logp_old (the sampler's logprobs), loss_mask: [B, T]; advantages: [B]
-    (broadcast to every policy token of the episode); logp_ref, entropy: [B, T] or None.
+    (broadcast to every policy token of the episode) or [B, T] (per token, for
+    turn-level credit); logp_ref, entropy: [B, T] or None.
     Per token: rho = exp(logp - logp_old),
     l = -min(rho * A, clip(rho, 1 - eps, 1 + eps) * A) + kl_coef * k3(logp, logp_ref).
     The loss is sum(l * mask) / num_tokens, where num_tokens defaults to mask.sum();
@@ -101,8 +143,9 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
     if logp.shape != logp_old.shape or logp.shape != loss_mask.shape:
         raise ValueError(f"logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)} and "
                          f"loss_mask {tuple(loss_mask.shape)} must have the same shape")
-    if advantages.shape != logp.shape[:1]:
-        raise ValueError(f"advantages must be [{logp.shape[0]}], got {tuple(advantages.shape)}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages must be [{logp.shape[0]}] or {list(logp.shape)}, "
+                         f"got {tuple(advantages.shape)}")
     mask = loss_mask.to(logp.dtype)
     keep = mask > 0
     tokens = float(mask.sum())
@@ -112,7 +155,8 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tens
     logp = torch.where(keep, logp, 0.0)
     logp_old = torch.where(keep, logp_old, 0.0)
     ratio = torch.exp(logp - logp_old)
-    adv = advantages.to(logp.dtype).unsqueeze(1)
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(keep, adv, 0.0)
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * adv)
     per_token = -surrogate
     kl_sum = 0.0

@@ -104,18 +104,28 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any):
         self.tok = tokenizer
         self._closing: str | None = None
+        template = getattr(tokenizer, "chat_template", None) or ""
+        #: the template renders `tools` (and `tool` messages): tool calls in its own format
+        self.supports_tools = isinstance(template, str) and "tools" in template
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        kw = {"tools": tools} if tools and self.supports_tools else {}
         return self.tok.apply_chat_template(messages, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
+                                            add_generation_prompt=add_generation_prompt, **kw)
 
     def ids(self, text: str) -> list[int]:
         # the template already holds any BOS/special tokens as text
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The first prompt: `messages` rendered with the generation prompt."""
-        return self.ids(self.render(messages, add_generation_prompt=True))
+    def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The first prompt: `messages` (and `tools`, where the template defines them)
+        rendered with the generation prompt."""
+        return self.ids(self.render(messages, add_generation_prompt=True, tools=tools))
+
+    def observation_role(self, tools: list[dict[str, Any]] | None) -> str:
+        """"tool" when the env declared tools and the template renders them, else "user"."""
+        return "tool" if tools and self.supports_tools else "user"
 
     def closing(self) -> str:
         """The text the template puts after an assistant message's content (e.g.
@@ -128,9 +138,11 @@ class ChatRenderer:
         return self._closing
 
     def observation_ids(self, history: list[dict[str, str]], observation: str,
-                        last_token: int | None, finish_reason: str) -> list[int]:
+                        last_token: int | None, finish_reason: str, role: str = "user",
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Ids that close the last assistant turn and open the next one with
-        `observation` as a user message, ending in the generation prompt.
+        `observation` as a `role` message ("user", or "tool" for a tool result), ending
+        in the generation prompt.
 
         history: the conversation so far, ending with the assistant's action text.
         The delta is the rendering with the new user message (and the generation
@@ -139,8 +151,9 @@ class ChatRenderer:
         the assistant closing when the turn was cut at max_new_tokens, only its rest
         when the sampled stop token is its start (ChatML: "\\n" after <|im_end|>).
         """
-        without = self.render(history, False)
-        with_obs = self.render(history + [{"role": "user", "content": observation}], True)
+        obs = {"role": role, "content": observation}
+        without = self.render(history, False, tools)
+        with_obs = self.render(history + [obs], True, tools)
         if with_obs.startswith(without):
             delta = with_obs[len(without):]
         else:
@@ -148,7 +161,7 @@ class ChatRenderer:
             # assistant messages) is not prefix-stable; a neutral history still gives
             # the text between turns
             h = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-            a, b = self.render(h, False), self.render(h + [{"role": "user", "content": observation}], True)
+            a, b = self.render(h, False, tools), self.render(h + [obs], True, tools)
             delta = b[len(a):] if b.startswith(a) else b
         closing = self.closing()
         if finish_reason == "stop" and last_token is not None:
@@ -166,6 +179,7 @@ class _Episode:
     phase: Phase = Phase.PENDING
     host_id: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -281,7 +295,8 @@ class AgentLoop:
         if reply.system_prompt:
             e.messages.append({"role": "system", "content": reply.system_prompt})
         e.messages.append({"role": "user", "content": reply.user_message})
-        e.token_ids = self.renderer.prompt_ids(e.messages)
+        e.tools = list(reply.tools)
+        e.token_ids = self.renderer.prompt_ids(e.messages, e.tools)
         e.prompt_len = len(e.token_ids)
         e.loss_mask = [0] * e.prompt_len
         e.logprobs = [0.0] * e.prompt_len
@@ -321,12 +336,14 @@ class AgentLoop:
         next_phase = Phase.TERMINATED
         if not e.error and not ended_by_env and len(e.turns) + 1 < e.req.sampling.max_turns:
             last = out.token_ids[-1] if out.token_ids else None
-            obs_ids = self.renderer.observation_ids(e.messages, observation, last, out.finish_reason)
+            role = self.renderer.observation_role(e.tools)
+            obs_ids = self.renderer.observation_ids(e.messages, observation, last, out.finish_reason,
+                                                    role, e.tools)
             if len(e.token_ids) + len(obs_ids) < self._budget(e.req):
                 e.token_ids.extend(obs_ids)
                 e.loss_mask.extend([0] * len(obs_ids))
                 e.logprobs.extend([0.0] * len(obs_ids))
-                e.messages.append({"role": "user", "content": observation})
+                e.messages.append({"role": role, "content": observation})
                 next_phase = Phase.GENERATING
         e.turns.append(TurnRecord(
             gen_start=gen_start, gen_end=gen_end, obs_end=len(e.token_ids),

@@ -2,13 +2,14 @@
 random-init model, a job submitted through the SDK, finished in a few steps, and its
 episodes in the Parquet log."""
 
-import asyncio
 
 import pytest
 
 from opentinker.schemas import JobState, WeightsPublished, decode
 from opentinker.schemas import subjects as S
 from opentinker.sdk import Client
+
+from conftest import follow, log_rows, submit_when_ready
 
 
 def _spec(model: str, env: str, engine: str, **kw) -> dict:
@@ -30,43 +31,14 @@ async def _run_job(services, nats_url, tmp_path, spec, job_id, timeout_s=420):
     services.start("recorder", f"data_dir={data_dir}", "recorder_flush_s=0.5")
     client = await Client.connect(nats_url)
     try:
-        for _ in range(100):
-            try:
-                job = await client.submit(spec, job_id=job_id)
-                break
-            except Exception:
-                await asyncio.sleep(0.3)
-        steps = [m.step async for m in _with_timeout(job.metrics(), timeout_s, services)]
+        job = await submit_when_ready(client, spec, job_id)
+        steps = [m.step for m in await follow(job, timeout_s, services)]
         rec = await job.wait(timeout_s=30, raise_on_failure=False)
         assert rec.state == JobState.COMPLETED, (rec, services.logs())
         return rec, steps, data_dir, client
     except BaseException:
         await client.close()
         raise
-
-
-async def _with_timeout(agen, timeout_s, services):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    it = agen.__aiter__()
-    while True:
-        try:
-            yield await asyncio.wait_for(it.__anext__(), max(0.1, deadline - loop.time()))
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            pytest.fail(f"job did not finish in {timeout_s}s\n{services.logs()}")
-
-
-async def _rows(data_dir, sql, expect, timeout_s=30):
-    from opentinker.services.core.logdb import run_query
-
-    for _ in range(int(timeout_s / 0.5)):
-        cols, rows = run_query(sql, str(data_dir))
-        if rows and rows[0][0] >= expect:
-            return rows
-        await asyncio.sleep(0.5)
-    return rows
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
@@ -84,9 +56,9 @@ async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job
         await sub.unsubscribe()
         assert versions == [1, 2]
         n = spec["steps"] * spec["prompts_per_step"] * spec["group_size"]
-        rows = await _rows(data_dir, f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id='{job_id}'", n)
+        rows = await log_rows(data_dir, f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id='{job_id}'", n)
         assert rows[0][0] == n
-        rows = await _rows(data_dir, f"SELECT count(*) FROM metrics WHERE job_id='{job_id}'", 1)
+        rows = await log_rows(data_dir, f"SELECT count(*) FROM metrics WHERE job_id='{job_id}'", 1)
         assert rows[0][0] >= 1
     finally:
         await client.close()
@@ -101,7 +73,7 @@ async def test_multi_turn_episode_masks(services, nats_url, tmp_path, tiny_model
     from opentinker.services.core.logdb import run_query
 
     n = spec["steps"] * spec["prompts_per_step"] * spec["group_size"]
-    await _rows(data_dir, f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id='{job_id}'", n)
+    await log_rows(data_dir, f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id='{job_id}'", n)
     _, rows = run_query(f"SELECT token_ids, loss_mask, logprobs, turns, prompt_len FROM trajectories "
                         f"WHERE job_id='{job_id}' AND num_turns > 1", str(data_dir))
     assert rows, "expected multi-turn episodes"

@@ -76,3 +76,20 @@ def test_an_errored_empty_episode_is_valid_and_pads_safely():
     batch = build_batch([empty, traj([5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0])], [0.0, 1.0], pad_id=0)
     assert batch.loss_mask[0].sum() == 0
     assert batch.attention_mask[0].tolist() == [1, 0, 0]  # never a row with nothing to attend to
+
+
+def test_per_token_advantages_follow_the_turns_and_shift_like_the_mask():
+    from opentinker.services.learner.batching import token_advantages
+
+    # prompt [0, 2), turn 0 policy [2, 4), observation [4, 5), turn 1 policy [5, 7)
+    t = Trajectory(job_id="j", request_id="r", episode_id="e", step=0, group_index=0, group_size=2,
+                   token_ids=[1, 2, 3, 4, 5, 6, 7], loss_mask=[0, 0, 1, 1, 0, 1, 1],
+                   logprobs=[0, 0, -1, -1, 0, -1, -1], prompt_len=2,
+                   turns=[TurnRecord(gen_start=2, gen_end=4, obs_end=5),
+                          TurnRecord(gen_start=5, gen_end=7, obs_end=7)], reward=1.0, policy_version=0)
+    per_token = token_advantages(t, [0.5, -2.0])
+    assert per_token == [0, 0, 0.5, 0.5, 0, -2.0, -2.0]
+    batch = build_batch([t], [per_token], pad_id=0)
+    assert batch.advantages.tolist() == [[0, 0.5, 0.5, 0, -2.0, -2.0, 0]]
+    with pytest.raises(ValueError, match="turn advantages"):
+        token_advantages(t, [1.0])

@@ -21,7 +21,7 @@ def play(game, state, action):
 
 
 def test_registry_names_every_builtin():
-    assert set(BUILTIN) == {"arith", "gsm8k", "guess-number"}
+    assert set(BUILTIN) == {"arith", "gsm8k", "guess-number", "code-math", "gomoku", "bandit"}
 
 
 @pytest.mark.parametrize("reply, reward", [

@@ -109,3 +109,43 @@ def test_non_finite_values_under_the_mask_do_not_leak():
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all()
     assert out.entropy_sum == 2.0 and math.isfinite(out.kl_sum) and out.kl_sum > 0
+
+
+def test_turn_advantages_equal_grpo_for_single_turn_episodes():
+    from opentinker.services.learner.loss import turn_advantages
+
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.2, 0.9, 0.4, 0.4]]
+    per_turn = turn_advantages([[[r] for r in g] for g in rewards], gamma=0.9)
+    expected = group_advantages(torch.tensor(rewards))
+    assert torch.allclose(torch.tensor([[a[0] for a in g] for g in per_turn]), expected, atol=1e-6)
+
+
+def test_turn_advantages_credit_each_turn_with_its_discounted_return():
+    from opentinker.services.learner.loss import discounted_returns, turn_advantages
+
+    assert discounted_returns([0.0, -0.1, 1.0], 0.5) == [0.0 + 0.5 * (-0.1 + 0.5 * 1.0), -0.1 + 0.5, 1.0]
+    # episode 0: a penalty on turn 1, a win on turn 2; episode 1: lost in one turn
+    [group] = turn_advantages([[[0.0, -0.1, 1.0], [-1.0]]], gamma=1.0)
+    whole = torch.tensor([0.9, -1.0])
+    mean, std = float(whole.mean()), float(whole.std())
+    assert group[0] == pytest.approx([(0.9 - mean) / (std + 1e-6), (0.9 - mean) / (std + 1e-6),
+                                      (1.0 - mean) / (std + 1e-6)], rel=1e-5)
+    assert group[1] == pytest.approx([(-1.0 - mean) / (std + 1e-6)], rel=1e-5)
+    # a later turn after the reward was collected gets only what follows it
+    [g2] = turn_advantages([[[1.0, 0.0], [0.0]]], gamma=1.0)
+    assert g2[0][1] < g2[0][0]
+    with pytest.raises(ValueError, match=">= 2 episodes"):
+        turn_advantages([[[1.0]]], gamma=1.0)
+
+
+def test_per_token_advantages_weight_each_token():
+    logp_old = torch.log(torch.full((1, 4), 0.5))
+    logp = logp_old.clone().requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    adv = torch.tensor([[2.0, 2.0, 9.0, -1.0]])
+    out = grpo_loss(logp, logp_old, adv, mask, clip_range=0.2)
+    out.loss.backward()
+    # d(-rho * A)/d logp at rho = 1 is -A, over 3 policy tokens; the masked one gets nothing
+    assert logp.grad[0].tolist() == pytest.approx([-2 / 3, -2 / 3, 0.0, 1 / 3])
+    with pytest.raises(ValueError, match="advantages must be"):
+        grpo_loss(logp, logp_old, torch.zeros(1, 3), mask, clip_range=0.2)

@@ -197,3 +197,49 @@ def test_observation_after_a_sampled_end_of_turn(tiny_model):
     tail = "<|im_start|>user\nwrong<|im_end|>\n<|im_start|>assistant\n"
     assert stopped == "\n" + tail
     assert cut == "<|im_end|>\n" + tail
+
+
+# A ChatML template that renders tools and `tool` messages the way Qwen2.5's does.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}"
+    "{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m['content'] }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PYTHON_TOOL = {"type": "function", "function": {"name": "python", "description": "run code",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+class ToolGame(CountingGame):
+    async def reset(self, req):
+        self.steps[req.episode_id] = 0
+        return EnvResetReply(host_id="h1", system_prompt=SYSTEM, user_message=USER, tools=[PYTHON_TOOL])
+
+
+async def test_tools_rendered_by_a_template_that_defines_them(engine):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(engine.tokenizer.name_or_path)
+    tok.chat_template = TOOL_TEMPLATE
+
+    class WithTemplate(Recording):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.tokenizer = tok
+
+    eng = WithTemplate(engine.inner)
+    [[t, _]] = await AgentLoop(eng, ToolGame(turns=2)).run([request()], version0)
+    text = tok.decode(t.token_ids)
+    assert text.startswith('<|im_start|>system\n# Tools\n<tools>{"type": "function"')
+    assert "<tool_response>\nTurn 1 done.\n</tool_response>" in text
+    # the observation is masked out, the policy's turns are in
+    first = t.turns[0]
+    assert set(t.loss_mask[first.gen_end:first.obs_end]) == {0}
+    assert set(t.loss_mask[first.gen_start:first.gen_end]) == {1}
+
+
+async def test_tools_ignored_by_a_template_without_them(engine):
+    [[t, _]] = await AgentLoop(engine, ToolGame(turns=2)).run([request()], version0)
+    text = engine.tokenizer.decode(t.token_ids)
+    assert "<tools>" not in text and "<|im_start|>user\nTurn 1 done." in text

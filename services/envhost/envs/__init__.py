@@ -1,2 +1,11 @@
-"""Built-in environments: `arith` (default training task), `gsm8k`, `guess-number`.
-Registered by name in `opentinker.services.envhost.registry`."""
+"""Built-in environments, registered by name in `opentinker.services.envhost.registry`:
+
+| name | data | turns | task |
+|---|---|---|---|
+| `arith` | free | single | arithmetic (the default training task) |
+| `bandit` | free | single | pick an arm of a multi-armed bandit with hidden probabilities |
+| `gsm8k` | GSM8K | single | grade-school math, verified by Math-Verify |
+| `guess-number` | free | multi | guess a hidden number from higher/lower hints |
+| `code-math` | GSM8K or free | multi | math with a sandboxed Python interpreter (tool calls) |
+| `gomoku` | free | multi | gomoku against a built-in opponent |
+"""

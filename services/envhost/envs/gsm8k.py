@@ -15,7 +15,7 @@ from typing import Any
 
 from opentinker.sdk.env import AbstractGame, StepResult
 from opentinker.services.core.config import default_home
-from opentinker.services.envhost.envs.answers import final_number, same_number
+from opentinker.services.envhost.envs.answers import verify_answer
 
 SPLITS = ("train", "test")
 _MARK = "####"
@@ -103,7 +103,11 @@ def load_split(data_dir: str | Path, split: str) -> tuple[list[str], list[str]]:
 
 
 class GSM8KGame(AbstractGame):
-    """One GSM8K problem; reward 1.0 iff the reply's final number equals the answer.
+    """One GSM8K problem; reward 1.0 iff the reply's final answer equals the gold one.
+
+    The answer is read and compared by `answers.verify_answer` (Math-Verify): the
+    line after a "####" mark if the reply has one, else a \\boxed{} answer or the last
+    number or expression; "1,200", "$18." and "\\frac{1}{2}" read as numbers.
 
     env_args:
       data_dir: the Parquet folder (default <OPENTINKER_HOME>/data/gsm8k)
@@ -144,7 +148,6 @@ class GSM8KGame(AbstractGame):
         return self.question
 
     def step(self, action: str) -> StepResult:
-        got = final_number(action)
-        correct = same_number(got, float(self.final))
+        correct, got = verify_answer(action, self.final)
         return StepResult(observation="", reward=1.0 if correct else 0.0, done=True,
                           info={"answer": self.final, "parsed": got, "correct": correct})

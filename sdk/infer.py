@@ -1,0 +1,254 @@
+"""Inference on any environment with a base model, a LoRA adapter or a job's policy,
+through the same services (and the same environment class, unchanged) as training.
+
+    async with await Client.connect() as c:
+        result = await c.infer(env="arith", job="my-job", episodes=64, split="test")
+        print(result.summary)
+
+An inference run is a job id of its own (`infer-...`) on the bus: its policy is
+announced as a weight event on `ot.job.<run>.weights` (an adapter's bytes go to the
+object store; a job's policy is its latest weight event, re-announced), its episodes
+are RolloutRequests on `ot.job.<run>.rollout`, and its trajectories come back on
+`ot.job.<run>.traj` (so the recorder logs them too). The same `seed` gives the same
+problems, so two runs (base model, trained policy) compare on identical episodes.
+
+Writes `<out>/episodes.jsonl`, `<out>/episodes.parquet` (when pyarrow is installed)
+and `<out>/summary.json`. Imports no torch: adapters are read as bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import secrets
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from nats.js.errors import NotFoundError
+
+from opentinker.schemas import (
+    DeadLetter,
+    RolloutRequest,
+    SamplingParams,
+    Trajectory,
+    WeightsPublished,
+    decode,
+)
+from opentinker.schemas import subjects as S
+
+if TYPE_CHECKING:
+    from opentinker.sdk.client import Client
+
+
+class InferError(RuntimeError):
+    """An inference run could not start or finish; the message names the cause."""
+
+
+@dataclass
+class InferResult:
+    """What `infer` produced. `trajectories` in episode order; `summary` as in summary.json."""
+
+    run_id: str
+    trajectories: list[Trajectory]
+    summary: dict[str, Any]
+    out_dir: Path | None
+
+
+def episode_seed(seed: int, index: int) -> int:
+    """The initial-state seed of group `index`: a pure function of (seed, index)."""
+    h = hashlib.blake2b(f"infer:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+def new_run_id() -> str:
+    return f"infer-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def read_adapter(path: str | Path) -> tuple[bytes, dict[str, Any]]:
+    """(adapter_model.safetensors bytes, adapter_config.json) of a peft adapter folder.
+
+    Raises InferError naming the missing file or a non-LoRA adapter.
+    """
+    folder = Path(path).expanduser()
+    cfg_path, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    for p in (cfg_path, weights):
+        if not p.is_file():
+            raise InferError(f"adapter: {p} not found (expected a peft LoRA adapter folder)")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise InferError(f"adapter: {cfg_path} is a {cfg.get('peft_type')} adapter; only LoRA is served")
+    return weights.read_bytes(), cfg
+
+
+def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
+    """episodes, reward_mean/std, accuracy (env info `correct`, else reward > 0),
+    win_rate/draw_rate/loss_rate (env info `result`, games only), tokens, turns, errors."""
+    n = len(trajs)
+    rewards = [t.reward for t in trajs]
+
+    def correct(t: Trajectory) -> bool:
+        c = t.env_info.get("correct")
+        return bool(c) if c is not None else t.reward > 0
+
+    out: dict[str, Any] = {
+        "episodes": n,
+        "reward_mean": statistics.fmean(rewards) if n else 0.0,
+        "reward_std": statistics.pstdev(rewards) if n else 0.0,
+        "accuracy": sum(map(correct, trajs)) / n if n else 0.0,
+        "gen_tokens_mean": statistics.fmean(sum(t.loss_mask) for t in trajs) if n else 0.0,
+        "gen_tokens_total": sum(sum(t.loss_mask) for t in trajs),
+        "tokens_total": sum(len(t.token_ids) for t in trajs),
+        "turns_mean": statistics.fmean(len(t.turns) for t in trajs) if n else 0.0,
+        "errors": sum(1 for t in trajs if t.error),
+    }
+    results = [t.env_info.get("result") for t in trajs if "result" in t.env_info]
+    if results:
+        for r in ("win", "draw", "loss"):
+            out[f"{r}_rate"] = results.count(r) / len(results)
+    return out
+
+
+def episode_row(t: Trajectory) -> dict[str, Any]:
+    """One JSONL/Parquet row: the episode as text and numbers (no token ids)."""
+    return {
+        "episode_id": t.episode_id, "request_id": t.request_id, "group_index": t.group_index,
+        "split": t.split, "env": t.env, "reward": t.reward, "correct": t.env_info.get("correct"),
+        "num_turns": len(t.turns), "gen_tokens": sum(t.loss_mask), "num_tokens": len(t.token_ids),
+        "actions": [turn.action for turn in t.turns], "observations": [turn.observation for turn in t.turns],
+        "turn_rewards": [turn.reward for turn in t.turns], "policy_version": t.policy_version,
+        "env_info": json.dumps(t.env_info, default=str), "error": t.error, "engine": t.engine,
+        "worker": t.worker,
+    }
+
+
+def write_results(out_dir: str | Path, trajs: list[Trajectory], summary: dict[str, Any]) -> Path:
+    """episodes.jsonl, episodes.parquet (if pyarrow is installed) and summary.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [episode_row(t) for t in trajs]
+    with open(out / "episodes.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        summary["parquet"] = "skipped: pyarrow is not installed"
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), out / "episodes.parquet")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return out
+
+
+async def _announce_policy(client: Client, run_id: str, adapter: str | None, job: str | None) -> int:
+    """Publish the run's policy as weight event v1; returns its policy version (0 = base)."""
+    bus = client.bus
+    if adapter:
+        data, cfg = read_adapter(adapter)
+        name = f"{run_id}/v1"
+        await bus.put_object(S.OBJ_WEIGHTS, name, data)
+        ev = WeightsPublished(job_id=run_id, policy_version=1, kind="lora",
+                              uri=f"nats-os://{S.OBJ_WEIGHTS}/{name}",
+                              sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                              lora_rank=int(cfg["r"]), lora_alpha=int(cfg.get("lora_alpha", cfg["r"])),
+                              target_modules=list(cfg.get("target_modules") or []), time_s=time.time())
+    elif job:
+        try:
+            raw = await bus.js.get_last_msg("OT_WEIGHTS", S.job(S.check_job_id(job), "weights"))
+        except NotFoundError:
+            raise InferError(f"job: {job!r} has published no weights (no such job, or not trained yet)") from None
+        src = decode(raw.data, WeightsPublished)
+        ev = msgspec.structs.replace(src, job_id=run_id, policy_version=1, time_s=time.time())
+    else:
+        return 0
+    await bus.publish(S.job(run_id, "weights"), ev, msg_id=f"{run_id}-w1")
+    return 1
+
+
+async def infer(client: Client, *, env: str, model: str | None = None, adapter: str | None = None,
+                job: str | None = None, env_args: dict[str, Any] | None = None, episodes: int = 32,
+                group_size: int = 1, split: str = "test", seed: int = 0,
+                sampling: SamplingParams | None = None, engine: str = "auto",
+                out_dir: str | Path | None = None, run_id: str = "", timeout_s: float = 1800.0,
+                on_episode: Any = None) -> InferResult:
+    """Run `episodes` episodes of `env` (in groups of `group_size` sharing an initial
+    state) with `model`, plus `adapter` (a peft LoRA folder) or `job`'s latest policy.
+
+    With `job` and no `model`, the job's own model is used. `sampling` defaults to
+    greedy (temperature 0) with 256 new tokens per turn. `on_episode(traj)` is called
+    as each episode arrives. Raises InferError for a bad adapter or job, a request the
+    rollout service refused (its dead-letter reason), or a run not done within
+    `timeout_s`; SpecError-like ValueError for bad arguments.
+    """
+    if adapter and job:
+        raise ValueError("adapter and job: pass one, not both")
+    if episodes < 1 or group_size < 1 or episodes % group_size:
+        raise ValueError(f"episodes ({episodes}) must be a positive multiple of group_size ({group_size})")
+    run_id = S.check_job_id(run_id or new_run_id())
+    if job and not model:
+        try:
+            model = (await client.job(job).record()).spec.model
+        except KeyError:
+            raise InferError(f"job: no job {job!r} on this bus") from None
+    model = model or "smollm2-135m-instruct"
+    sampling = sampling or SamplingParams(temperature=0.0, max_new_tokens=256, max_total_tokens=2048)
+    version = await _announce_policy(client, run_id, adapter, job)
+
+    bus = client.bus
+    got: dict[str, Trajectory] = {}
+    done = asyncio.Event()
+    refused: list[str] = []
+    want = episodes
+
+    async def on_traj(m) -> None:
+        t = decode(m.data, Trajectory)
+        if t.episode_id in got:
+            return
+        got[t.episode_id] = t
+        if on_episode is not None:
+            on_episode(t)
+        if len(got) >= want:
+            done.set()
+
+    async def on_dead(m) -> None:
+        with contextlib.suppress(msgspec.MsgspecError):
+            dl = decode(m.data, DeadLetter)
+            if dl.subject == S.job(run_id, "rollout"):
+                refused.append(dl.reason)
+                done.set()
+
+    traj_sub = await bus.js.subscribe(S.job(run_id, "traj"), ordered_consumer=True, cb=on_traj)
+    dlq_sub = await bus.nc.subscribe(S.dead_letter("rollout"), cb=on_dead)
+    t0 = time.monotonic()
+    try:
+        for g in range(episodes // group_size):
+            rid = f"{run_id}-g{g}"
+            req = RolloutRequest(job_id=run_id, request_id=rid, step=0, group_index=g,
+                                 group_seed=episode_seed(seed, g), policy_version=version, model=model,
+                                 env=env, env_args=dict(env_args or {}), group_size=group_size,
+                                 sampling=sampling, engine=engine, split=split)
+            await bus.publish(S.job(run_id, "rollout"), req, msg_id=rid)
+        try:
+            await asyncio.wait_for(done.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise InferError(f"{len(got)} of {episodes} episodes after {timeout_s:.0f} s: is a rollout "
+                             f"worker and an envhost serving {env!r} running?") from None
+        if refused:
+            raise InferError(f"the rollout service refused the run: {refused[0]}")
+    finally:
+        await traj_sub.unsubscribe()
+        await dlq_sub.unsubscribe()
+    trajs = sorted(got.values(), key=lambda t: (t.group_index, t.episode_id))
+    summary = summarize(trajs)
+    summary.update(run_id=run_id, env=env, env_args=dict(env_args or {}), split=split, seed=seed,
+                   model=model, adapter=str(adapter) if adapter else None, job=job,
+                   policy_version=version, sampling=msgspec.to_builtins(sampling),
+                   wall_s=round(time.monotonic() - t0, 2))
+    out = write_results(out_dir, trajs, summary) if out_dir else None
+    return InferResult(run_id, trajs, summary, out)

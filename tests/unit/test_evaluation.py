@@ -1,0 +1,46 @@
+"""Periodic evaluation: when it is due, what it asks for, how it is summarized."""
+
+from opentinker.schemas import JobSpec, Trajectory, TurnRecord
+from opentinker.services.learner.evaluation import Evaluator, parse_eval_request_id
+
+
+def traj(req_id: str, ep: str, reward: float, correct=None) -> Trajectory:
+    info = {} if correct is None else {"correct": correct}
+    return Trajectory(job_id="j", request_id=req_id, episode_id=ep, step=0, group_index=0, group_size=1,
+                      token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -1, -1], prompt_len=1,
+                      turns=[TurnRecord(gen_start=1, gen_end=3, obs_end=3, reward=reward)], reward=reward,
+                      policy_version=0, env_info=info, split="test")
+
+
+def test_due_at_start_every_n_and_at_the_end():
+    ev = Evaluator("j", JobSpec(steps=7, eval_every=3))
+    assert [v for v in range(8) if ev.due(v)] == [0, 3, 6, 7]
+    assert not Evaluator("j", JobSpec(steps=7)).due(0)
+
+
+def test_requests_are_greedy_single_episodes_of_the_same_problems():
+    spec = JobSpec(steps=4, eval_every=2, eval_episodes=3, eval_split="test", eval_temperature=0.0)
+    ev = Evaluator("j", spec)
+    r0, r2 = ev.requests(0), ev.requests(2)
+    assert [r.request_id for r in r0] == ["j-eval-v0-e0", "j-eval-v0-e1", "j-eval-v0-e2"]
+    assert [r.group_seed for r in r0] == [r.group_seed for r in r2]
+    assert all(r.group_size == 1 and r.split == "test" and r.sampling.temperature == 0.0 for r in r0)
+    assert [r.policy_version for r in r2] == [2, 2, 2]
+    assert not ev.due(2)  # already pending
+
+
+def test_metrics_once_every_episode_is_in():
+    ev = Evaluator("j", JobSpec(steps=2, eval_every=1, eval_episodes=2))
+    ev.requests(1)
+    assert ev.add(traj("j-eval-v1-e0", "j-eval-v1-e0-e0", 1.0, correct=True)) is None
+    assert ev.add(traj("j-eval-v9-e0", "x", 1.0)) is None  # not asked for: ignored
+    m = ev.add(traj("j-eval-v1-e1", "j-eval-v1-e1-e0", 0.0, correct=False))
+    assert m is not None and m.split == "eval" and m.step == 1 and m.policy_version == 1
+    assert m.values["reward_mean"] == 0.5 and m.values["correct_frac"] == 0.5
+    assert m.values["episodes"] == 2.0 and not ev.pending
+
+
+def test_eval_request_ids_are_told_apart_from_training_ones():
+    assert parse_eval_request_id("j", "j-eval-v12-e3") == 12
+    assert parse_eval_request_id("j", "j-s3-g1") is None
+    assert parse_eval_request_id("j", "j-eval-vx-e3") is None
