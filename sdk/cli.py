@@ -124,6 +124,13 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
                     continue
                 if m.split != "train":
                     continue
+                if "reward_mean" not in v:  # an SFT job: loss, not reward
+                    progress.update(task, completed=m.step + 1, reward=f"loss {v.get('loss', 0):.3f}",
+                                    step_s=f"{v.get('step_time_s', 0):.1f}s")
+                    extra = "".join(f"  {k} {v[k]:.4f}" for k in ("loss_full_before", "loss_full_after") if k in v)
+                    progress.console.print(f"step {m.step:>3}  loss {v.get('loss', 0):.4f}  "
+                                           f"grad_norm {v.get('grad_norm', 0):.3f}{extra}")
+                    continue
                 rewards.append(v.get("reward_mean", float("nan")))
                 progress.update(task, completed=m.step + 1, reward=f"{v.get('reward_mean', 0):.3f}",
                                 step_s=f"{v.get('step_time_s', 0):.1f}s")
@@ -445,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands whose arguments all pass through to another parser. argparse's REMAINDER
 # drops a leading option (`serve-model --adapter X` -> "unrecognized arguments"), so
 # these are split off before parsing.
-PASSTHROUGH = ("serve-model",)
+PASSTHROUGH = ("serve-model", "envhost")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,8 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     if cut is not None:
         args = build_parser().parse_args(argv[:cut + 1])
         args.rest = argv[cut + 1:]
-        return args.fn(args) or 0
-    args = build_parser().parse_args(argv)
+    else:
+        args = build_parser().parse_args(argv)
     if args.cmd in ("serve", "envhost"):
         sys.argv = [f"opentinker {args.cmd}", *args.rest]
     return args.fn(args) or 0

@@ -42,11 +42,12 @@ def _init_distributed(device: str) -> None:
 
     if dist.is_initialized():
         return
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1")):
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    # the rendezvous address goes in the call, not in os.environ: processes this one
+    # starts later (a test's services) would inherit a port it holds
+    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
 
 
 class TrainEngine:
@@ -182,6 +183,60 @@ class TrainEngine:
             "kl": sums["kl"] / total,
             "tokens": total,
         }
+
+    def sft_step(self, batches: Sequence[Batch]) -> dict[str, float]:
+        """One supervised optimizer step: mean negative log-likelihood of the loss-mask
+        tokens (standard causal-LM cross-entropy, restricted to the trained tokens as in
+        TRL's SFTTrainer completion-only / `assistant_only_loss`).
+
+        Each micro-batch's summed NLL is divided by the whole step's loss-mask token
+        count, so the accumulated gradient is that of the per-token mean over the step
+        (as in train_step). `advantages` and `logprobs` of the batches are ignored.
+        Returns loss (the step's mean NLL, nats/token, before the update), grad_norm
+        (before clipping), tokens. A step without loss-mask tokens changes nothing.
+        Raises ValueError unless there are exactly as many micro-batches as the engine
+        accumulates.
+        """
+        if len(batches) != self.n_micro:
+            raise ValueError(f"{len(batches)} micro-batches; the engine accumulates {self.n_micro}")
+        total = float(sum(b.num_tokens for b in batches))
+        if total == 0:
+            return dict(loss=0.0, grad_norm=0.0, tokens=0.0)
+        self.engine.train()
+        loss_sum, grad_norm = 0.0, 0.0
+        for k, mb in enumerate(batches):
+            mb = Batch(*(t.to(self.device) for t in mb))
+            logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            logp, _ = token_logprobs(logits, mb.input_ids)
+            del logits
+            # select, never multiply: padding positions may hold anything
+            loss = -torch.where(mb.loss_mask > 0, logp, 0.0).sum() / total
+            self.engine.backward(loss, scale_wrt_gas=False)
+            if k == self.n_micro - 1:
+                grad_norm = self._grad_norm()
+            self.engine.step()
+            loss_sum += float(loss.detach())
+        ds_norm = self.engine.get_global_grad_norm()
+        if ds_norm is not None:
+            grad_norm = float(ds_norm)
+        return {"loss": loss_sum, "grad_norm": grad_norm, "tokens": total}
+
+    def sft_eval(self, batches: Sequence[Batch]) -> dict[str, float]:
+        """Mean negative log-likelihood (nats/token) of the loss-mask tokens of
+        `batches` under the current policy, without updating anything. Any number of
+        batches. Returns loss, tokens."""
+        nll, total = 0.0, 0.0
+        self.engine.eval()
+        with torch.no_grad():
+            for mb in batches:
+                mb = Batch(*(t.to(self.device) for t in mb))
+                logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                logp, _ = token_logprobs(logits, mb.input_ids)
+                del logits
+                nll -= float(torch.where(mb.loss_mask > 0, logp, 0.0).sum())
+                total += mb.num_tokens
+        self.engine.train()
+        return {"loss": nll / max(total, 1.0), "tokens": total}
 
     def _grad_norm(self) -> float:
         # ZeRO 1-3 report the norm themselves after the step; stage 0 leaves it in .grad
