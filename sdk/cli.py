@@ -151,17 +151,23 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
         await client.close()
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _run_client(args: argparse.Namespace, body) -> int:
+    """asyncio.run(body(args, nats_url)), against the embedded stack (started for the
+    command and stopped after it) with --up, else the configured NATS server."""
     if not args.up:
-        return asyncio.run(_train(args, _nats_url(args)))
+        return asyncio.run(body(args, _nats_url(args)))
     from opentinker.sdk.stack import Stack
 
     stack = Stack(_home(), nats_url=os.environ.get("NATS_URL") or None).start()
     print(f"stack up: NATS {stack.nats_url}, logs in {stack.log_dir}", flush=True)
     try:
-        return asyncio.run(_train(args, stack.nats_url))
+        return asyncio.run(body(args, stack.nats_url))
     finally:
         stack.stop()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    return _run_client(args, _train)
 
 
 # -- infer ------------------------------------------------------------------------------
@@ -243,16 +249,7 @@ async def _infer(args: argparse.Namespace, nats_url: str) -> int:
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
-    if not args.up:
-        return asyncio.run(_infer(args, _nats_url(args)))
-    from opentinker.sdk.stack import Stack
-
-    stack = Stack(_home(), nats_url=os.environ.get("NATS_URL") or None).start()
-    print(f"stack up: NATS {stack.nats_url}, logs in {stack.log_dir}", flush=True)
-    try:
-        return asyncio.run(_infer(args, stack.nats_url))
-    finally:
-        stack.stop()
+    return _run_client(args, _infer)
 
 
 # -- up ---------------------------------------------------------------------------------

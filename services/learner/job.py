@@ -165,9 +165,8 @@ class JobRun:
 
     # -- main -------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Train to completion. Raises JobStopped (cancel or shutdown) or the error
-        that failed the job."""
+    async def start(self) -> None:
+        """Announce RUNNING, follow the job's events (cancel) and build the engine."""
         self.scratch = Path(tempfile.mkdtemp(prefix=f"learner-{self.job_id}-"))
         self.events_sub = await self.bus.nc.subscribe(self.subject("events"), cb=self.on_event)
         await self.announce(JobState.RUNNING)
@@ -176,6 +175,11 @@ class JobRun:
 
         self.engine = await self.in_engine(TrainEngine, self.spec, model_path, self.settings.device)
         self.check_live()
+
+    async def run(self) -> None:
+        """Train to completion. Raises JobStopped (cancel or shutdown) or the error
+        that failed the job."""
+        await self.start()
         resumed = await self.resume()
         await self.open_trajectories()
         if resumed:

@@ -31,7 +31,6 @@ import functools
 import json
 import logging
 import random
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.schemas import JobSpec, JobState, JobStateChanged, Metrics
-from opentinker.services.core.models import resolve_model
 from opentinker.services.learner import checkpoint
 from opentinker.services.learner.batching import Batch, micro_batches
 from opentinker.services.learner.job import SERVICE, JobRun
@@ -342,14 +340,7 @@ class SFTRun(JobRun):
     async def run(self) -> None:
         """Train `steps` SFT steps. Raises JobStopped (cancel or shutdown) or the error
         that failed the job (ValueError naming sft_data/sft_query for bad data)."""
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"learner-{self.job_id}-"))
-        self.events_sub = await self.bus.nc.subscribe(self.subject("events"), cb=self.on_event)
-        await self.announce(JobState.RUNNING)
-        model_path = await self.in_engine(resolve_model, self.spec.model, self.settings.home)
-        from opentinker.services.learner.engine_deepspeed import TrainEngine
-
-        self.engine = await self.in_engine(TrainEngine, self.spec, model_path, self.settings.device)
-        self.check_live()
+        await self.start()
         self.examples = await self.in_engine(load_examples, self.spec, self.settings.home, self.engine.tokenizer,
                                              self.settings.log_dir, self.engine.vocab_size)
         log.info("job %s: %d SFT examples, %d loss tokens", self.job_id, len(self.examples),

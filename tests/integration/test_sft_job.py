@@ -10,7 +10,6 @@ import json
 import signal
 import time
 
-import nats.errors
 import pytest
 
 from opentinker.schemas import JobState, Trajectory, TurnRecord, WeightsPublished, decode
@@ -19,6 +18,8 @@ from opentinker.schemas.job import spec_from_dict
 from opentinker.sdk import Client
 from opentinker.services.learner import checkpoint
 from opentinker.services.learner.sft import load_examples, step_indices
+
+from conftest import submit_when_ready
 
 TIMEOUT_S = 300
 STEPS = 4
@@ -35,18 +36,9 @@ async def _start(services, nats_url, data_dir) -> Client:
     return await Client.connect(nats_url)
 
 
-async def _submit(client, spec, job_id):
-    for _ in range(100):  # until the scheduler is up
-        try:
-            return await client.submit(spec, job_id=job_id)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            await asyncio.sleep(0.3)
-    return await client.submit(spec, job_id=job_id)
-
-
 async def _run(client, services, spec, job_id):
     """Submit, collect every metric until the job ends; (record, metrics)."""
-    job = await _submit(client, spec, job_id)
+    job = await submit_when_ready(client, spec, job_id)
 
     async def collect():
         return [m async for m in job.metrics()]
@@ -149,6 +141,14 @@ async def test_sft_from_a_filtered_slice_of_the_log(services, nats_url, tmp_path
         await _check_trained(bus, home, job_id, rec, metrics, services, "config.json")
         # every step trained on exactly the 4 rewarded episodes' policy tokens
         assert all(m.values["tokens"] == sum(sum(t.loss_mask) for t in winners) for m in metrics)
+        # its weights serve through inference, on the env it names
+        services.start("envhost")
+        services.start("rollout", "engine=hf")
+        res = await client.infer(env="arith", job=job_id, episodes=2, timeout_s=180,
+                                 out_dir=tmp_path / "infer")
+        assert res.summary["episodes"] == 2 and res.summary["policy_version"] == 1
+        assert all(t.turns[0].policy_version == 1 for t in res.trajectories), services.logs()
+        assert (tmp_path / "infer" / "summary.json").exists()
     finally:
         await client.close()
 
@@ -163,7 +163,7 @@ async def test_a_restarted_learner_resumes_the_sft_job_in_the_same_order(service
     spec = _spec(tiny_model, sft_data=str(data), lora_rank=8, steps=steps, checkpoint_every=5)
     client = await _start(services, nats_url, tmp_path / "log")
     try:
-        job = await _submit(client, spec, job_id)
+        job = await submit_when_ready(client, spec, job_id)
         first = services.procs[-1][1]
 
         async def collect():
