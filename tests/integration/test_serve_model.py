@@ -67,7 +67,7 @@ def adapter(tiny_model, tmp_path_factory) -> Path:
 def test_dry_run_base(tiny_model):
     out = dry_run("--model", tiny_model, "--port", "8123")
     cmd = out["command"]
-    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", tiny_model]
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model", tiny_model]
     assert flag(cmd, "--port") == "8123" and flag(cmd, "--host") == "127.0.0.1"
     assert flag(cmd, "--dtype") == "float32" and flag(cmd, "--max-model-len") == "2048"
     assert flag(cmd, "--served-model-name") == "tiny-llama"
