@@ -191,6 +191,11 @@ class JobRun:
             await self.train(groups)
             await self.maybe_evaluate()
         await self.wait_for_evaluations()
+        await self.finish()
+
+    async def finish(self) -> None:
+        """Export the policy in Hugging Face format (`<home>/checkpoints/<id>/final`)
+        and announce COMPLETED."""
         await self.in_engine(self.engine.save_pretrained, checkpoint.job_dir(self.settings.home, self.job_id) / "final")
         self.check_live()
         await self.announce(JobState.COMPLETED)
@@ -426,14 +431,12 @@ class JobRun:
                 if h.seq not in used:
                     await h.msg.ack()  # a dropped attempt's late arrivals
         self.used_seqs |= used
-        if self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps:
+        if self.checkpoint_due():
             await self.save_checkpoint(s)
         for h in held:
             await h.msg.ack()
         step_s = time.monotonic() - t_start
         await self.publish_metrics(s, trajs, out, train_s, step_s)
-        await self.bus.publish(self.subject("events"), JobStateChanged(
-            job_id=self.job_id, state=JobState.RUNNING, step=s, time_s=time.time(), source=SERVICE))
         log.info("job %s step %d: reward %.3f loss %.4f grad_norm %.4f (%.1f s train, %.1f s wait)",
                  self.job_id, s, statistics.fmean(t.reward for t in trajs), out["loss"],
                  out["grad_norm"], train_s, self.stats.wait_s)
@@ -489,8 +492,18 @@ class JobRun:
             "turns_mean": statistics.fmean(len(t.turns) for t in trajs),
             "error_frac": sum(1 for t in trajs if t.error) / len(trajs),
         }
+        await self.step_done(s, values)
+
+    def checkpoint_due(self) -> bool:
+        """After a step: every `checkpoint_every` steps, and after the last."""
+        return self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps
+
+    async def step_done(self, s: int, values: dict[str, float]) -> None:
+        """Publish step `s`'s Metrics (split "train") and a RUNNING event for it."""
         m = Metrics(job_id=self.job_id, step=s, policy_version=self.version, values=values, time_s=time.time())
         await self.bus.publish(self.subject("metrics"), m, msg_id=f"{self.job_id}-m{s}")
+        await self.bus.publish(self.subject("events"), JobStateChanged(
+            job_id=self.job_id, state=JobState.RUNNING, step=s, time_s=time.time(), source=SERVICE))
 
     # -- checkpoints ------------------------------------------------------------
 

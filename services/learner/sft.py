@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opentinker.schemas import JobSpec, JobState, JobStateChanged, Metrics
-from opentinker.services.learner import checkpoint
+from opentinker.schemas import JobSpec
 from opentinker.services.learner.batching import Batch, micro_batches
-from opentinker.services.learner.job import SERVICE, JobRun
+from opentinker.services.learner.job import JobRun
 
 log = logging.getLogger("opentinker.learner.sft")
 
@@ -355,9 +354,7 @@ class SFTRun(JobRun):
                                                  self.engine.pad_id)
         while self.step < self.spec.steps:
             await self.train_sft_step()
-        await self.in_engine(self.engine.save_pretrained, checkpoint.job_dir(self.settings.home, self.job_id) / "final")
-        self.check_live()
-        await self.announce(JobState.COMPLETED)
+        await self.finish()
 
     def _step_blocking(self, examples: list[Example]) -> dict[str, float]:
         return self.engine.sft_step(sft_batches(examples, self.spec.micro_batch_size, self.engine.pad_id))
@@ -379,7 +376,7 @@ class SFTRun(JobRun):
         await self.publish_weights()
         if self.step == spec.steps:
             extra["loss_full_after"] = (await self.in_engine(self.engine.sft_eval, self.eval_batches))["loss"]
-        if self.step % spec.checkpoint_every == 0 or self.step == spec.steps:
+        if self.checkpoint_due():
             await self.save_checkpoint(s)
         step_s = time.monotonic() - t_start
         values = {
@@ -388,11 +385,7 @@ class SFTRun(JobRun):
             "step_time_s": step_s, "train_time_s": train_s, "tokens_per_s": out["tokens"] / max(train_s, 1e-9),
             **extra,
         }
-        await self.bus.publish(self.subject("metrics"), Metrics(
-            job_id=self.job_id, step=s, policy_version=self.version, values=values, time_s=time.time()),
-            msg_id=f"{self.job_id}-m{s}")
-        await self.bus.publish(self.subject("events"), JobStateChanged(
-            job_id=self.job_id, state=JobState.RUNNING, step=s, time_s=time.time(), source=SERVICE))
+        await self.step_done(s, values)
         log.info("job %s SFT step %d: loss %.4f grad_norm %.4f, %d tokens (%.1f s)%s", self.job_id, s,
                  out["loss"], out["grad_norm"], out["tokens"], train_s,
                  "".join(f", {k} {v:.4f}" for k, v in extra.items()))
