@@ -86,3 +86,10 @@ class Trajectory(Message, frozen=True, kw_only=True):
     gen_ms: float = 0.0
     env_ms: float = 0.0
     created_s: float = 0.0
+
+    @property
+    def correct(self) -> bool:
+        """Solved? The env's own `correct` info when it reports one, else reward > 0
+        (how evaluation and inference count accuracy)."""
+        c = self.env_info.get("correct")
+        return bool(c) if c is not None else self.reward > 0

@@ -91,16 +91,11 @@ def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
     win_rate/draw_rate/loss_rate (env info `result`, games only), tokens, turns, errors."""
     n = len(trajs)
     rewards = [t.reward for t in trajs]
-
-    def correct(t: Trajectory) -> bool:
-        c = t.env_info.get("correct")
-        return bool(c) if c is not None else t.reward > 0
-
     out: dict[str, Any] = {
         "episodes": n,
         "reward_mean": statistics.fmean(rewards) if n else 0.0,
         "reward_std": statistics.pstdev(rewards) if n else 0.0,
-        "accuracy": sum(map(correct, trajs)) / n if n else 0.0,
+        "accuracy": sum(t.correct for t in trajs) / n if n else 0.0,
         "gen_tokens_mean": statistics.fmean(sum(t.loss_mask) for t in trajs) if n else 0.0,
         "gen_tokens_total": sum(sum(t.loss_mask) for t in trajs),
         "tokens_total": sum(len(t.token_ids) for t in trajs),

@@ -51,15 +51,10 @@ def parse_eval_request_id(job_id: str, request_id: str) -> int | None:
 def summarize(trajs: list[Trajectory]) -> dict[str, float]:
     """The eval metric values of a set of episodes (see the module docstring)."""
     rewards = [t.reward for t in trajs]
-
-    def correct(t: Trajectory) -> bool:
-        c = t.env_info.get("correct")
-        return bool(c) if c is not None else t.reward > 0
-
     return {
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
-        "correct_frac": sum(map(correct, trajs)) / len(trajs),
+        "correct_frac": sum(t.correct for t in trajs) / len(trajs),
         "episodes": float(len(trajs)),
         "gen_tokens_mean": statistics.fmean(sum(t.loss_mask) for t in trajs),
         "turns_mean": statistics.fmean(len(t.turns) for t in trajs),

@@ -44,3 +44,8 @@ def test_eval_request_ids_are_told_apart_from_training_ones():
     assert parse_eval_request_id("j", "j-eval-v12-e3") == 12
     assert parse_eval_request_id("j", "j-s3-g1") is None
     assert parse_eval_request_id("j", "j-eval-vx-e3") is None
+
+
+def test_an_episode_without_a_correct_flag_counts_by_its_reward():
+    assert traj("r", "e", 1.0).correct and not traj("r", "e", 0.0).correct
+    assert not traj("r", "e", 1.0, correct=False).correct
