@@ -2,17 +2,20 @@
 
 Producers and consumers:
 - SubmitJob / CancelJob: SDK -> scheduler, request/reply on `ot.ctl.submit` / `ot.ctl.cancel`.
-- JobAssigned: scheduler -> learner, JetStream work queue `ot.ctl.assign.learner`.
+- JobAssigned: scheduler -> the placed learner, JetStream work queue
+  `ot.ctl.assign.learner.<worker_id>`.
 - JobStateChanged: scheduler and learner -> everyone, `ot.job.<id>.events`.
 - JobRecord: the scheduler's record in the `ot_jobs` KV bucket.
 """
 
 from enum import Enum
+from typing import Literal
 
 import msgspec
 
 from opentinker.schemas.base import Message
 from opentinker.schemas.job import JobSpec
+from opentinker.schemas.pool import Placement
 
 
 class JobState(str, Enum):
@@ -27,11 +30,21 @@ class JobState(str, Enum):
         return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
 
 
+JobKind = Literal["train", "inference"]
+
+
 class SubmitJob(Message, frozen=True, kw_only=True):
-    """Ask the scheduler to run a job. `job_id` is optional (the scheduler makes one)."""
+    """Ask the scheduler to run a job. `job_id` is optional (the scheduler makes one).
+
+    `kind` "train" places a learner and `spec.rollout_workers` rollout workers;
+    "inference" places rollout workers only (the client sends the requests).
+    `api_key` authenticates the user (over REST the key travels in a header instead).
+    """
 
     spec: JobSpec
     job_id: str = ""
+    kind: JobKind = "train"
+    api_key: str = ""
 
 
 class SubmitReply(Message, frozen=True, kw_only=True):
@@ -46,6 +59,7 @@ class SubmitReply(Message, frozen=True, kw_only=True):
 class CancelJob(Message, frozen=True, kw_only=True):
     job_id: str
     reason: str = "cancelled by user"
+    api_key: str = ""
 
 
 class CancelReply(Message, frozen=True, kw_only=True):
@@ -60,6 +74,8 @@ class JobAssigned(Message, frozen=True, kw_only=True):
 
     job_id: str
     spec: JobSpec
+    attempt: int = 0
+    rollout_workers: list[str] = msgspec.field(default_factory=list)
 
 
 class JobStateChanged(Message, frozen=True, kw_only=True):
@@ -71,6 +87,7 @@ class JobStateChanged(Message, frozen=True, kw_only=True):
     step: int = 0
     time_s: float = 0.0  # unix time, seconds
     source: str = ""
+    attempt: int = 0     # the placement attempt reporting (0: not known)
 
 
 class JobRecord(Message, frozen=True, kw_only=True):
@@ -84,3 +101,8 @@ class JobRecord(Message, frozen=True, kw_only=True):
     created_s: float = 0.0
     updated_s: float = 0.0
     history: list[str] = msgspec.field(default_factory=list)
+    kind: JobKind = "train"
+    user: str = ""
+    pool: str = "default"
+    attempt: int = 0          # bumped each time the job is (re)placed
+    placement: Placement | None = None  # the current attempt's workers; None while queued

@@ -54,6 +54,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     learner samples `eval_episodes` episodes of `eval_split` at `eval_temperature`
     (0 = greedy) with the current policy and reports them as metrics of split "eval".
 
+    Placement: the scheduler runs the job on one learner and `rollout_workers` rollout
+    workers of its pool (an inference job: rollout workers only).
+
     SFT (`algorithm = "sft"`): supervised fine-tuning, `steps` optimizer steps of
     `sft_batch_size` examples, from `sft_data` (a JSONL or Parquet file on the
     learner's machine: `messages` in chat format, or `prompt` and `completion`) or from
@@ -96,6 +99,7 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sft_data: str = ""
     sft_query: str = ""
     sft_batch_size: int = 16
+    rollout_workers: int = 1
 
     @property
     def episodes_per_step(self) -> int:
@@ -135,6 +139,7 @@ def validate_job_spec(spec: JobSpec) -> JobSpec:
     _check(spec.eval_episodes >= 1, "eval_episodes", "must be >= 1")
     _check(ENV_NAME_RE.match(spec.eval_split) is not None, "eval_split", "must match [a-z0-9][a-z0-9_-]*")
     _check(spec.eval_temperature >= 0, "eval_temperature", "must be >= 0 (0 = greedy)")
+    _check(1 <= spec.rollout_workers <= 64, "rollout_workers", "must be in [1, 64]")
     _check(spec.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
     if spec.algorithm == "sft":
         _check(bool(spec.sft_data) != bool(spec.sft_query), "sft_data",

@@ -3,30 +3,37 @@
 | subject                         | stream      | producer   | consumers                 |
 |---------------------------------|-------------|------------|---------------------------|
 | ot.ctl.submit / ot.ctl.cancel   | (req/reply) | SDK        | scheduler                 |
-| ot.ctl.assign.learner           | OT_CTL      | scheduler  | learner (work queue)      |
+| ot.ctl.assign.learner.<worker>  | OT_CTL      | scheduler  | that learner (work queue) |
 | ot.job.<id>.events              | OT_EVENTS   | sched/lrn  | scheduler, SDK            |
-| ot.job.<id>.rollout             | OT_ROLLOUT  | learner    | rollout (work queue)      |
+| ot.job.<id>.rollout.<worker>    | OT_ROLLOUT  | learner    | that rollout worker       |
 | ot.job.<id>.traj                | OT_TRAJ     | rollout    | learner, recorder         |
 | ot.job.<id>.weights             | OT_WEIGHTS  | learner    | rollout, recorder, SDK    |
 | ot.job.<id>.metrics             | OT_METRICS  | learner    | recorder, SDK             |
 | ot.env.<env>.init / .reset      | (req/reply) | rollout    | envhost (queue group)     |
 | ot.env.host.<host>.step/.close  | (req/reply) | rollout    | the envhost holding it    |
 | ot.dlq.<service>                | OT_DLQ      | any        | operators                 |
+
+KV buckets: `ot_jobs` (JobRecord by job id), `ot_workers` (WorkerInfo by
+`<pool>.<worker>`, entries expire WORKER_TTL_S after the last heartbeat), `ot_users`
+and `ot_keys` (users, and API keys stored as argon2 hashes). Rollout requests name
+their worker in the subject: the scheduler places a job's rollouts on its workers, and
+each worker's durable consumer filters its own token, so work-queue consumers never
+overlap.
 """
 
 from opentinker.schemas.job import ENV_NAME_RE, JOB_ID_RE
 
 SUBMIT = "ot.ctl.submit"
 CANCEL = "ot.ctl.cancel"
-ASSIGN_LEARNER = "ot.ctl.assign.learner"
+ASSIGN_LEARNER_ALL = "ot.ctl.assign.learner.*"
 
-FAMILIES = ("events", "rollout", "traj", "weights", "metrics")
+FAMILIES = ("events", "traj", "weights", "metrics")  # rollout: see rollout()
 
 # stream name -> (subjects, retention). "workqueue" removes a message once acked.
 STREAMS: dict[str, tuple[list[str], str]] = {
     "OT_CTL": (["ot.ctl.assign.>"], "workqueue"),
     "OT_EVENTS": (["ot.job.*.events"], "limits"),
-    "OT_ROLLOUT": (["ot.job.*.rollout"], "workqueue"),
+    "OT_ROLLOUT": (["ot.job.*.rollout.*"], "workqueue"),
     "OT_TRAJ": (["ot.job.*.traj"], "limits"),
     "OT_WEIGHTS": (["ot.job.*.weights"], "limits"),
     "OT_METRICS": (["ot.job.*.metrics"], "limits"),
@@ -34,6 +41,11 @@ STREAMS: dict[str, tuple[list[str], str]] = {
 }
 
 KV_JOBS = "ot_jobs"
+KV_WORKERS = "ot_workers"
+KV_USERS = "ot_users"
+KV_KEYS = "ot_keys"
+WORKER_TTL_S = 10.0       # a worker missing heartbeats this long is gone
+WORKER_HEARTBEAT_S = 2.0
 OBJ_WEIGHTS = "ot_weights"
 OBJ_CHECKPOINTS = "ot_checkpoints"
 
@@ -60,6 +72,38 @@ def job(job_id: str, family: str) -> str:
     if family not in FAMILIES:
         raise ValueError(f"unknown subject family {family!r}")
     return f"ot.job.{check_job_id(job_id)}.{family}"
+
+
+def check_worker_id(worker_id: str) -> str:
+    """Return worker_id if it is a valid subject token; raises ValueError otherwise."""
+    if not ENV_NAME_RE.match(worker_id):
+        raise ValueError(f"invalid worker id {worker_id!r}: must match {ENV_NAME_RE.pattern}")
+    return worker_id
+
+
+def assign_learner(worker_id: str) -> str:
+    """`ot.ctl.assign.learner.<worker>`: the assignments of one learner."""
+    return f"ot.ctl.assign.learner.{check_worker_id(worker_id)}"
+
+
+def rollout(job_id: str, worker_id: str) -> str:
+    """`ot.job.<job>.rollout.<worker>`: the job's rollout requests for one worker."""
+    return f"ot.job.{check_job_id(job_id)}.rollout.{check_worker_id(worker_id)}"
+
+
+def rollout_all(job_id: str) -> str:
+    """Every rollout request of a job, whatever its worker (for purges)."""
+    return f"ot.job.{check_job_id(job_id)}.rollout.*"
+
+
+def rollout_of_worker(worker_id: str) -> str:
+    """Every rollout request for one worker, whatever its job (its consumer's filter)."""
+    return f"ot.job.*.rollout.{check_worker_id(worker_id)}"
+
+
+def worker_key(pool: str, worker_id: str) -> str:
+    """The `ot_workers` KV key of a worker."""
+    return f"{check_worker_id(pool)}.{check_worker_id(worker_id)}"
 
 
 def job_id_of(subject: str) -> str:

@@ -29,6 +29,27 @@ from opentinker.schemas.job import SpecError, spec_from_dict
 from opentinker.services.core.bus import Bus
 
 
+class AuthenticationError(PermissionError):
+    """The scheduler refused the API key (missing, wrong or revoked)."""
+
+
+def default_api_key() -> str:
+    """$OPENTINKER_API_KEY, else the file named by $OPENTINKER_API_KEY_FILE, else the
+    local stack's admin key (`<home>/admin.key`, written by `opentinker up`), else ""."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("OPENTINKER_API_KEY"):
+        return os.environ["OPENTINKER_API_KEY"]
+    path = os.environ.get("OPENTINKER_API_KEY_FILE")
+    if not path:
+        from opentinker.services.core.config import default_home
+
+        path = str(Path(default_home()) / "admin.key")
+    p = Path(path)
+    return p.read_text().strip() if p.is_file() else ""
+
+
 class JobFailed(RuntimeError):
     """`Job.wait` saw the job end FAILED or CANCELLED. `.record` holds the JobRecord."""
 
@@ -130,20 +151,22 @@ class Job:
 
     async def cancel(self, reason: str = "cancelled by user") -> CancelReply:
         """Ask the scheduler to cancel. Raises nats.errors.NoRespondersError if none runs."""
-        return await self.client.bus.request(S.CANCEL, CancelJob(job_id=self.id, reason=reason),
-                                             CancelReply)
+        return await self.client.bus.request(
+            S.CANCEL, CancelJob(job_id=self.id, reason=reason, api_key=self.client.api_key), CancelReply)
 
 
 class Client:
     """An OpenTinker client over one NATS connection."""
 
-    def __init__(self, bus: Bus):
+    def __init__(self, bus: Bus, api_key: str = ""):
         self.bus = bus
+        self.api_key = api_key
 
     @classmethod
-    async def connect(cls, nats_url: str | None = None) -> Client:
-        """Connect to `nats_url` (default $NATS_URL, then nats://127.0.0.1:4222)."""
-        return cls(await Bus.connect(nats_url, "sdk"))
+    async def connect(cls, nats_url: str | None = None, api_key: str | None = None) -> Client:
+        """Connect to `nats_url` (default $NATS_URL, then nats://127.0.0.1:4222) with
+        `api_key` (default: `default_api_key()`)."""
+        return cls(await Bus.connect(nats_url, "sdk"), default_api_key() if api_key is None else api_key)
 
     async def close(self) -> None:
         await self.bus.close()
@@ -155,16 +178,20 @@ class Client:
         await self.close()
 
     async def submit(self, spec: JobSpec | dict[str, Any], job_id: str = "",
-                     timeout_s: float = 10.0) -> Job:
-        """Submit a job. `spec` is a JobSpec or plain data (a parsed TOML file).
+                     timeout_s: float = 10.0, kind: str = "train") -> Job:
+        """Submit a job. `spec` is a JobSpec or plain data (a parsed TOML file). `kind`
+        "inference" asks for rollout workers only (see `infer`).
 
         Raises SpecError naming the field when the spec (locally or at the scheduler) is
-        invalid, nats.errors.NoRespondersError when no scheduler runs.
+        invalid, AuthenticationError when the API key is refused,
+        nats.errors.NoRespondersError when no scheduler runs.
         """
         if isinstance(spec, dict):
             spec = spec_from_dict(spec)
-        reply = await self.bus.request(S.SUBMIT, SubmitJob(spec=spec, job_id=job_id), SubmitReply,
-                                       timeout_s=timeout_s)
+        reply = await self.bus.request(S.SUBMIT, SubmitJob(spec=spec, job_id=job_id, kind=kind, api_key=self.api_key),
+                                       SubmitReply, timeout_s=timeout_s)
+        if not reply.ok and reply.field == "api_key":
+            raise AuthenticationError(reply.error)
         if not reply.ok:
             raise SpecError(reply.field or "spec", reply.error)
         return Job(self, reply.job_id)
@@ -202,11 +229,11 @@ class SyncClient:
     """Blocking wrappers around Client, for notebooks and scripts. Runs a private event
     loop in a daemon thread."""
 
-    def __init__(self, nats_url: str | None = None):
+    def __init__(self, nats_url: str | None = None, api_key: str | None = None):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._client: Client = self._run(Client.connect(nats_url))
+        self._client: Client = self._run(Client.connect(nats_url, api_key))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -5,10 +5,11 @@ through the same services (and the same environment class, unchanged) as trainin
         result = await c.infer(env="arith", job="my-job", episodes=64, split="test")
         print(result.summary)
 
-An inference run is a job id of its own (`infer-...`) on the bus: its policy is
-announced as a weight event on `ot.job.<run>.weights` (an adapter's bytes go to the
+An inference run is a job of its own (`infer-...`, kind "inference"): the scheduler
+places it on a rollout worker of the pool (no learner), and the run ends it when its
+episodes are in. Its policy is announced as a weight event on `ot.job.<run>.weights` (an adapter's bytes go to the
 object store; a job's policy is its latest weight event, re-announced), its episodes
-are RolloutRequests on `ot.job.<run>.rollout`, and its trajectories come back on
+are RolloutRequests on `ot.job.<run>.rollout.<worker>`, and its trajectories come back on
 `ot.job.<run>.traj` (so the recorder logs them too). The same `seed` gives the same
 problems, so two runs (base model, trained policy) compare on identical episodes.
 
@@ -34,6 +35,9 @@ from nats.js.errors import NotFoundError
 
 from opentinker.schemas import (
     DeadLetter,
+    JobSpec,
+    JobState,
+    JobStateChanged,
     RolloutRequest,
     SamplingParams,
     Trajectory,
@@ -195,6 +199,40 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     sampling = sampling or SamplingParams(temperature=0.0, max_new_tokens=256, max_total_tokens=2048)
     version = await _announce_policy(client, run_id, adapter, job)
 
+    t0 = time.monotonic()
+    placed = await client.submit(JobSpec(name="infer", model=model, env=env, engine=engine,
+                                         env_args=dict(env_args or {})), job_id=run_id, kind="inference")
+    try:
+        workers, attempt = await _placement(placed, timeout_s)
+        return await _run(client, run_id, workers, env=env, model=model, adapter=adapter, job=job,
+                          env_args=env_args, episodes=episodes, group_size=group_size, split=split,
+                          seed=seed, sampling=sampling, engine=engine, out_dir=out_dir,
+                          timeout_s=timeout_s - (time.monotonic() - t0), on_episode=on_episode,
+                          version=version, attempt=attempt, t0=t0)
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            await placed.cancel(f"inference run failed: {type(e).__name__}: {e}"[:500])
+        raise
+
+
+async def _placement(job, timeout_s: float) -> tuple[list[str], int]:
+    """The rollout workers the scheduler placed an inference job on, and the attempt."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rec = await job.record()
+        if rec.state.terminal:
+            raise InferError(f"inference job {job.id} {rec.state.value}: {rec.reason}")
+        if rec.placement is not None:
+            return list(rec.placement.rollout), rec.attempt
+        if time.monotonic() > deadline:
+            raise InferError(f"inference job {job.id} not placed within {timeout_s:.0f} s: "
+                             "is a rollout worker in the scheduler's pool?")
+        await asyncio.sleep(0.2)
+
+
+async def _run(client: Client, run_id: str, workers: list[str], *, env, model, adapter, job, env_args,
+               episodes, group_size, split, seed, sampling, engine, out_dir, timeout_s, on_episode,
+               version, attempt, t0) -> InferResult:
     bus = client.bus
     got: dict[str, Trajectory] = {}
     done = asyncio.Event()
@@ -214,13 +252,12 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     async def on_dead(m) -> None:
         with contextlib.suppress(msgspec.MsgspecError):
             dl = decode(m.data, DeadLetter)
-            if dl.subject == S.job(run_id, "rollout"):
+            if S.job_id_of(dl.subject) == run_id and ".rollout." in dl.subject:
                 refused.append(dl.reason)
                 done.set()
 
     traj_sub = await bus.js.subscribe(S.job(run_id, "traj"), ordered_consumer=True, cb=on_traj)
     dlq_sub = await bus.nc.subscribe(S.dead_letter("rollout"), cb=on_dead)
-    t0 = time.monotonic()
     try:
         for g in range(episodes // group_size):
             rid = f"{run_id}-g{g}"
@@ -228,7 +265,7 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
                                  group_seed=episode_seed(seed, g), policy_version=version, model=model,
                                  env=env, env_args=dict(env_args or {}), group_size=group_size,
                                  sampling=sampling, engine=engine, split=split)
-            await bus.publish(S.job(run_id, "rollout"), req, msg_id=rid)
+            await bus.publish(S.rollout(run_id, workers[g % len(workers)]), req, msg_id=rid)
         try:
             await asyncio.wait_for(done.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -239,6 +276,9 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     finally:
         await traj_sub.unsubscribe()
         await dlq_sub.unsubscribe()
+    await bus.publish(S.job(run_id, "events"), JobStateChanged(
+        job_id=run_id, state=JobState.COMPLETED, reason=f"{len(got)} episodes", time_s=time.time(),
+        source="sdk", attempt=attempt))
     trajs = sorted(got.values(), key=lambda t: (t.group_index, t.episode_id))
     summary = summarize(trajs)
     summary.update(run_id=run_id, env=env, env_args=dict(env_args or {}), split=split, seed=seed,

@@ -1,7 +1,10 @@
 """The embedded stack behind `opentinker up`: a local nats-server with JetStream on a
 data directory (unless NATS_URL names one) and every service as its own process.
 
-Loopback only: nats-server listens on 127.0.0.1. Every child is stopped by its own PID.
+Loopback only: nats-server and the scheduler's REST API listen on 127.0.0.1. The
+first `up` makes an admin API key in `<home>/admin.key` (mode 0600; the CLI and SDK
+read it from there) unless OPENTINKER_ADMIN_KEY(_FILE) names one. Every child is
+stopped by its own PID.
 """
 
 from __future__ import annotations
@@ -49,10 +52,23 @@ class Stack:
             {"nats_url": self.nats_url, "pids": {n: p.pid for n, p in self.procs.items()}}))
         return self
 
+    def admin_key_file(self) -> Path:
+        """`<home>/admin.key`, made (random, 0600) if missing."""
+        path = self.home / "admin.key"
+        if not path.exists():
+            import secrets
+
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("otk-" + secrets.token_urlsafe(32) + "\n")
+        return path
+
     def spawn(self, name: str) -> subprocess.Popen:
         """Start (or restart) service `name` as a child process logging to <home>/logs."""
         env = dict(os.environ, NATS_URL=self.nats_url, OPENTINKER_HOME=str(self.home),
                    PYTHONUNBUFFERED="1")
+        if name == "scheduler" and not (env.get("OPENTINKER_ADMIN_KEY") or env.get("OPENTINKER_ADMIN_KEY_FILE")):
+            env["OPENTINKER_ADMIN_KEY_FILE"] = str(self.admin_key_file())
         log = open(self.log_dir / f"{name}.log", "ab")
         cmd = [sys.executable, "-m", f"opentinker.services.{name}", *self.overrides.get(name, [])]
         self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

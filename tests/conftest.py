@@ -17,6 +17,13 @@ import pytest_asyncio
 ROOT = Path(__file__).resolve().parents[1]
 HOME = Path(os.environ.setdefault("OPENTINKER_HOME", str(ROOT / ".opentinker")))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# the admin key of this test session: schedulers started by the tests bootstrap it, and
+# the SDK and CLI (in-process and subprocesses) authenticate with it
+if not os.environ.get("OPENTINKER_ADMIN_KEY"):
+    import secrets as _secrets
+
+    os.environ["OPENTINKER_ADMIN_KEY"] = "otk-" + _secrets.token_urlsafe(32)
+os.environ.setdefault("OPENTINKER_API_KEY", os.environ["OPENTINKER_ADMIN_KEY"])
 
 
 @pytest.fixture(scope="session")
@@ -77,18 +84,23 @@ def tiny_model(home, smollm2) -> str:
 
 
 class Services:
-    """Start OpenTinker services as subprocesses; stop them by PID."""
+    """Start OpenTinker services as subprocesses; stop them by PID. Each test's services
+    form a worker pool of their own (`pool`), so a scheduler places only this test's
+    jobs, on this test's workers."""
 
     def __init__(self, nats_url: str, home: Path, log_dir: Path):
         self.nats_url = nats_url
         self.home = home
         self.log_dir = log_dir
+        self.pool = f"p-{uuid.uuid4().hex[:8]}"
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, *overrides: str, args: list[str] | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
         e = dict(os.environ, NATS_URL=self.nats_url, OPENTINKER_HOME=str(self.home),
-                 PYTHONUNBUFFERED="1", **(env or {}))
+                 PYTHONUNBUFFERED="1", OPENTINKER_POOL=self.pool,
+                 OPENTINKER_API_PORT="0")  # a test that wants the REST API passes api_port=
+        e.update(env or {})
         log = open(self.log_dir / f"{name}-{len(self.procs)}.log", "w")
         cmd = [sys.executable, "-m", f"opentinker.services.{name}", *(args or []), *overrides]
         p = subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -107,17 +108,42 @@ class Bus:
             except BadRequestError:
                 await self.js.update_stream(cfg)
         await self.kv(S.KV_JOBS)
+        await self.kv(S.KV_WORKERS)
+        await self.kv(S.KV_USERS)
+        await self.kv(S.KV_KEYS)
         await self.objects(S.OBJ_WEIGHTS)
         await self.objects(S.OBJ_CHECKPOINTS)
 
     async def kv(self, bucket: str):
-        """The KV bucket `bucket`, created if missing."""
+        """The KV bucket `bucket`, created if missing. In `ot_workers` an entry expires
+        WORKER_TTL_S after its last write (a worker's missed heartbeats)."""
         if bucket not in self._kv:
             try:
                 self._kv[bucket] = await self.js.key_value(bucket)
             except (NotFoundError, nats.js.errors.BucketNotFoundError):
-                self._kv[bucket] = await self.js.create_key_value(bucket=bucket, history=8)
+                ttl = S.WORKER_TTL_S if bucket == S.KV_WORKERS else None
+                history = 1 if bucket == S.KV_WORKERS else 8
+                self._kv[bucket] = await self.js.create_key_value(bucket=bucket, history=history, ttl=ttl)
         return self._kv[bucket]
+
+    async def kv_values(self, bucket: str, prefix: str = "") -> dict[str, tuple[bytes, int]]:
+        """Every live key of `bucket` (starting with `prefix`) -> (value, revision)."""
+        kv = await self.kv(bucket)
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return {}
+        out = {}
+        for k in keys:
+            if not k.startswith(prefix):
+                continue
+            try:
+                e = await kv.get(k)
+            except nats.js.errors.KeyNotFoundError:
+                continue  # deleted or expired since the listing
+            if e.value:
+                out[k] = (e.value, e.revision)
+        return out
 
     async def objects(self, bucket: str):
         """The object store `bucket`, created if missing."""
@@ -138,6 +164,22 @@ class Bus:
         """The bytes stored under `name`. Raises nats.js.errors.ObjectNotFoundError."""
         store = await self.objects(bucket)
         return (await store.get(name)).data
+
+    async def read_subject(self, stream: str, subject: str, kind: type[T], limit: int = 10_000) -> list[T]:
+        """The messages of `subject` held in `stream`, oldest first, decoded as `kind`
+        (at most `limit`; undecodable ones skipped). No consumer is made: each is a
+        direct "next by subject" get."""
+        out: list[T] = []
+        seq = 1
+        while len(out) < limit:
+            try:
+                raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                break
+            with contextlib.suppress(msgspec.MsgspecError):
+                out.append(decode(raw.data, kind))
+            seq = raw.seq + 1
+        return out
 
     # -- publish / request ----------------------------------------------------
 

@@ -27,6 +27,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     engine: Literal["auto", "vllm", "hf"] = "auto"
     worker_id: str = ""
+    pool: str = "default"         # the worker pool a scheduler places on and a worker joins
+    rollout_slots: int = 4        # jobs one rollout worker serves at once (one adapter each)
+    max_jobs_per_user: int = 4    # scheduler quota: a user's jobs placed at once
+    max_workers_per_user: int = 8  # scheduler quota: workers a user's placed jobs hold
+    api_host: str = "127.0.0.1"   # the scheduler's REST API and dashboard
+    api_port: int = 8470          # 0 = no REST API
     log_level: str = "INFO"
     recorder_flush_rows: int = 256
     recorder_flush_s: float = 2.0

@@ -102,7 +102,10 @@ class JobRun:
         self.job_id = assigned.job_id
         self.spec: JobSpec = assigned.spec
         self.incarnation = incarnation
+        self.attempt = assigned.attempt  # the scheduler's placement attempt (0: unplaced)
+        self.rollout_workers = list(assigned.rollout_workers)
         self.cancelled = asyncio.Event()
+        self.requeued = asyncio.Event()
         self.engine = None
         self.step = 0            # next step to train
         self.version = 0         # policy version: steps trained so far
@@ -133,26 +136,54 @@ class JobRun:
     def check_live(self) -> None:
         if self.cancelled.is_set():
             raise JobStopped("cancelled")
+        if self.requeued.is_set():
+            raise JobStopped("requeued")
         if self.stop.is_set():
             raise JobStopped("shutdown")
 
     async def announce(self, state: JobState, reason: str = "") -> None:
         ev = JobStateChanged(job_id=self.job_id, state=state, reason=reason, step=self.step,
-                             time_s=time.time(), source=SERVICE)
+                             time_s=time.time(), source=SERVICE, attempt=self.attempt)
         await self.bus.publish(self.subject("events"), ev)
 
-    async def already_terminal(self) -> bool:
+    def rollout_subject(self, index: int) -> str:
+        """Where request `index` (a group, or an evaluation episode) goes: the job's
+        rollout workers take turns."""
+        if not self.rollout_workers:
+            raise RuntimeError(f"job {self.job_id} was assigned without rollout workers")
+        return S.rollout(self.job_id, self.rollout_workers[index % len(self.rollout_workers)])
+
+    def publish_id(self, request_id: str) -> str:
+        """The Nats-Msg-Id of a request: a requeued job asks the same request of new
+        workers, which deduplication must not swallow."""
+        return f"{request_id}@a{self.attempt}"
+
+    async def unplaced(self) -> bool:
+        """The job's record has no placement (the scheduler requeued it)."""
+        with contextlib.suppress(KeyNotFoundError, msgspec.MsgspecError):
+            entry = await (await self.bus.kv(S.KV_JOBS)).get(self.job_id)
+            return bool(entry.value) and decode(entry.value, JobRecord).placement is None
+        return False
+
+    async def not_runnable(self) -> str:
+        """Why this assignment must not run ('' if it may): the job is terminal, or the
+        scheduler has placed it again since (a stale attempt)."""
         kv = await self.bus.kv(S.KV_JOBS)
         try:
             entry = await kv.get(self.job_id)
         except KeyNotFoundError:
-            return False
+            return ""
         if not entry.value:
-            return False
+            return ""
         try:
-            return decode(entry.value, JobRecord).state.terminal
+            rec = decode(entry.value, JobRecord)
         except msgspec.MsgspecError:
-            return False
+            return ""
+        if rec.state.terminal:
+            return f"already {rec.state.value}"
+        if self.attempt and rec.attempt != self.attempt:
+            return f"attempt {self.attempt} is stale (the job is at attempt {rec.attempt})"
+        return ""
 
     async def on_event(self, m: Msg) -> None:
         try:
@@ -162,6 +193,11 @@ class JobRun:
         if ev.source != SERVICE and ev.state.terminal:
             log.info("job %s %s by %s: stopping", self.job_id, ev.state.value, ev.source or "?")
             self.cancelled.set()
+        elif ev.source == "scheduler" and ev.state == JobState.QUEUED and self.attempt:
+            why = await self.not_runnable()
+            if why or await self.unplaced():
+                log.info("job %s requeued by the scheduler (%s): stopping", self.job_id, ev.reason)
+                self.requeued.set()
 
     # -- main -------------------------------------------------------------------
 
@@ -216,7 +252,7 @@ class JobRun:
         with contextlib.suppress(NotFoundError):
             await self.bus.js.delete_consumer("OT_TRAJ", f"learner-{self.job_id}")
         with contextlib.suppress(NotFoundError):
-            await self.bus.js.purge_stream("OT_ROLLOUT", subject=self.subject("rollout"))
+            await self.bus.js.purge_stream("OT_ROLLOUT", subject=S.rollout_all(self.job_id))
 
     # -- resume -----------------------------------------------------------------
 
@@ -263,7 +299,7 @@ class JobRun:
                              group_seed=group_seed(spec.seed, step, i), policy_version=self.version,
                              model=spec.model, env=spec.env, env_args=spec.env_args,
                              group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine)
-        await self.bus.publish(self.subject("rollout"), req, msg_id=rid)
+        await self.bus.publish(self.rollout_subject(i), req, msg_id=self.publish_id(rid))
 
     async def request_rollouts(self) -> None:
         """Ask for every step up to `step + max_staleness` not asked for yet."""
@@ -370,8 +406,8 @@ class JobRun:
         """Ask for an evaluation of the current policy if one is due (evaluation.py)."""
         if not self.evaluator.due(self.version):
             return
-        for req in self.evaluator.requests(self.version):
-            await self.bus.publish(self.subject("rollout"), req, msg_id=req.request_id)
+        for i, req in enumerate(self.evaluator.requests(self.version)):
+            await self.bus.publish(self.rollout_subject(i), req, msg_id=self.publish_id(req.request_id))
         log.info("job %s: evaluating policy version %d on %d %s episodes", self.job_id, self.version,
                  self.spec.eval_episodes, self.spec.eval_split)
 
@@ -503,7 +539,8 @@ class JobRun:
         m = Metrics(job_id=self.job_id, step=s, policy_version=self.version, values=values, time_s=time.time())
         await self.bus.publish(self.subject("metrics"), m, msg_id=f"{self.job_id}-m{s}")
         await self.bus.publish(self.subject("events"), JobStateChanged(
-            job_id=self.job_id, state=JobState.RUNNING, step=s, time_s=time.time(), source=SERVICE))
+            job_id=self.job_id, state=JobState.RUNNING, step=s, time_s=time.time(), source=SERVICE,
+            attempt=self.attempt))
 
     # -- checkpoints ------------------------------------------------------------
 

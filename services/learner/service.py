@@ -8,14 +8,19 @@ steps (evaluation.py), checkpoint every `checkpoint_every` steps, repeat. An SFT
 an `SFTRun` (sft.py): the same weights, metrics and checkpoints, from a dataset or a
 DuckDB-filtered slice of the trajectory log.
 
+Joins the pool: a heartbeat in KV `ot_workers` (kind "learner", one slot, the job it
+runs), so the scheduler places jobs here and requeues them if this process dies.
+
 Reads
-- `ot.ctl.assign.learner` (OT_CTL work queue, durable "learner"): JobAssigned. Acked
-  when the job ends (completed, failed or cancelled); `in_progress` every 10 s while it
-  runs, so a dead learner's job is redelivered and resumed from its checkpoint.
+- `ot.ctl.assign.learner.<worker_id>` (OT_CTL work queue, durable "learner-<worker_id>"):
+  JobAssigned, placed here by the scheduler. Acked when the job ends (completed,
+  failed, cancelled, or requeued elsewhere); an assignment from a past placement
+  attempt is acked and skipped. A job placed again after this learner died resumes
+  from its checkpoint on the next learner.
 - `ot.job.<id>.traj` (OT_TRAJ, durable "learner-<id>"): Trajectory.
 - `ot.job.<id>.events` (core subscription): a terminal state from the scheduler
   (cancel) stops the job.
-- KV `ot_jobs`: a job already terminal there is not started.
+- KV `ot_jobs`: a job already terminal there, or placed again since, is not started.
 Writes
 - `ot.job.<id>.rollout`: RolloutRequest, one per group (eval requests: `<id>-eval-v<n>-e<i>`).
 - `ot.job.<id>.weights`: WeightsPublished; bytes in object store `ot_weights/<id>/v<n>`.
@@ -42,12 +47,12 @@ from opentinker.schemas import JobAssigned, JobState, JobStateChanged, SpecError
 from opentinker.schemas import subjects as S
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
+from opentinker.services.core.pool import Heartbeat, default_worker_id, machine_capacity
 from opentinker.services.core.runner import run_service
 from opentinker.services.learner.job import SERVICE, JobRun, JobStopped
 
 log = logging.getLogger("opentinker.learner")
 
-ASSIGN_DURABLE = "learner"
 ASSIGN_ACK_WAIT_S = 60.0
 HEARTBEAT_S = 10.0
 
@@ -63,7 +68,7 @@ async def heartbeat(m: Msg) -> None:
 
 
 async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
-                            executor: ThreadPoolExecutor, m: Msg) -> None:
+                            executor: ThreadPoolExecutor, m: Msg, running: list[str]) -> None:
     """Run one JobAssigned to a terminal state (ack) or until shutdown (nak: another
     learner resumes it)."""
     assigned = await bus.decode_or_dead_letter(m, JobAssigned)
@@ -89,12 +94,19 @@ async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
         from opentinker.services.learner.sft import SFTRun
 
         run_cls = SFTRun
+    if assigned.spec.algorithm != "sft" and not assigned.rollout_workers:
+        await bus.dead_letter(m, "JobAssigned.rollout_workers: a GRPO job needs at least one rollout worker")
+        await m.term()
+        return
     job = run_cls(settings, bus, stop, executor, assigned, incarnation=m.metadata.num_delivered or 1)
-    if await job.already_terminal():
-        log.info("job %s is already terminal; not starting it", job_id)
+    why = await job.not_runnable()
+    if why:
+        log.info("job %s: %s; not starting it", job_id, why)
         await m.ack()
         return
-    log.info("job %s assigned (delivery %d)", job_id, job.incarnation)
+    running.append(job_id)
+    log.info("job %s assigned (attempt %d, delivery %d, rollout on %s)", job_id, assigned.attempt,
+             job.incarnation, ", ".join(assigned.rollout_workers) or "-")
     beat = asyncio.create_task(heartbeat(m))
     outcome = "completed"
     try:
@@ -108,6 +120,11 @@ async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
     finally:
         beat.cancel()
         await job.close()
+        running.remove(job_id)
+    if outcome == "requeued":
+        await m.ack()  # the scheduler has placed (or will place) it elsewhere
+        log.info("job %s: requeued by the scheduler; let go", job_id)
+        return
     if outcome == "shutdown":
         await m.nak()  # redelivered now: another learner resumes from the checkpoint
         log.info("job %s: handed back at shutdown", job_id)
@@ -118,14 +135,21 @@ async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
 
 
 async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
-    sub = await bus.pull("OT_CTL", ASSIGN_DURABLE, S.ASSIGN_LEARNER, ack_wait_s=ASSIGN_ACK_WAIT_S)
+    worker = settings.worker_id or default_worker_id("learner")
+    S.check_worker_id(worker)
+    sub = await bus.pull("OT_CTL", f"learner-{worker}", S.assign_learner(worker), ack_wait_s=ASSIGN_ACK_WAIT_S)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-engine")
-    log.info("learner ready on %s", settings.nats_url)
+    running: list[str] = []
+    beat = Heartbeat(bus, "learner", worker, settings.pool, machine_capacity(1, ["deepspeed"]),
+                     jobs=lambda: list(running))
+    await beat.start()
+    log.info("learner %s of pool %s ready on %s", worker, settings.pool, settings.nats_url)
     try:
         while not stop.is_set():
             for m in await bus.fetch(sub, 1, 1.0):
-                await handle_assignment(settings, bus, stop, executor, m)
+                await handle_assignment(settings, bus, stop, executor, m, running)
     finally:
+        await beat.stop()
         executor.shutdown(wait=True)
 
 

@@ -4,9 +4,15 @@ Role: hold a generation engine per model (vLLM, or transformers as the light
 fallback), keep it on the latest policy of the job it serves, and run the
 agent loop (agent_loop.py) for each requested group of episodes.
 
+Joins the pool: a heartbeat in KV `ot_workers` (kind "rollout", `rollout_slots` jobs
+at once, the engines it can run). The scheduler places jobs on it; their learners
+address its requests to it. Several jobs of one base model share its engine, each
+episode generated with its own job's adapter and policy version.
+
 Reads:
-  ot.job.*.rollout   stream OT_ROLLOUT, durable pull consumer "rollout" shared by every
-                     worker (a work queue: more workers add capacity). Up to 16
+  ot.job.*.rollout.<worker_id>
+                     stream OT_ROLLOUT, durable pull consumer "rollout-<worker_id>"
+                     (this worker's requests, of every job placed here). Up to 16
                      requests are fetched together; the episodes of each job among
                      them share one engine call per turn. A request is acked only after all its
                      trajectories are published.
@@ -30,10 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
-import os
 import re
-import socket
 import time
 import zlib
 from collections import OrderedDict
@@ -66,6 +71,7 @@ from opentinker.schemas import (
 from opentinker.schemas import subjects as S
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
+from opentinker.services.core.pool import Heartbeat, default_worker_id, machine_capacity
 from opentinker.services.core.models import resolve_model
 from opentinker.services.core.runner import run_service
 from opentinker.services.rollout.agent_loop import AgentLoop, EnvError
@@ -83,7 +89,6 @@ from opentinker.services.rollout.weights import (
 
 log = logging.getLogger("opentinker.rollout")
 
-DURABLE = "rollout"
 ROLLOUT_STREAM = "OT_ROLLOUT"
 WEIGHTS_STREAM = "OT_WEIGHTS"
 FETCH_BATCH = 16
@@ -220,7 +225,7 @@ class RolloutWorker:
     def __init__(self, settings: Settings, bus: Bus):
         self.settings = settings
         self.bus = bus
-        self.worker = settings.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
+        self.worker = S.check_worker_id(settings.worker_id or default_worker_id("rollout"))
         self.device = settings.device if settings.device != "auto" else (
             "cuda" if torch.cuda.is_available() else "cpu")
         self.seed = zlib.crc32(self.worker.encode())
@@ -536,8 +541,14 @@ async def fetch_batch(bus: Bus, sub: Any) -> list[Msg]:
 async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     worker = RolloutWorker(settings, bus)
     await worker.start()
-    sub = await bus.pull(ROLLOUT_STREAM, DURABLE, S.STREAMS[ROLLOUT_STREAM][0][0], ack_wait_s=ACK_WAIT_S)
-    log.info("rollout worker %s ready (engine %s, device %s)", worker.worker, settings.engine, worker.device)
+    durable = f"rollout-{worker.worker}"
+    sub = await bus.pull(ROLLOUT_STREAM, durable, S.rollout_of_worker(worker.worker), ack_wait_s=ACK_WAIT_S)
+    engines = ["vllm", "hf"] if importlib.util.find_spec("vllm") and settings.engine != "hf" else ["hf"]
+    beat = Heartbeat(bus, "rollout", worker.worker, settings.pool,
+                     machine_capacity(settings.rollout_slots, engines), jobs=list)
+    await beat.start()
+    log.info("rollout worker %s of pool %s ready (engine %s, device %s)", worker.worker, settings.pool,
+             settings.engine, worker.device)
     stopped = asyncio.create_task(stop.wait())
     try:
         while not stop.is_set():
@@ -554,6 +565,7 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
                 work.result()
     finally:
         stopped.cancel()
+        await beat.stop()
         await worker.close()
 
 

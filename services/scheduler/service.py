@@ -1,20 +1,25 @@
-"""Scheduler: the control plane. Accepts, validates, records and cancels jobs.
+"""Scheduler: the control plane. Accepts jobs, places them on the worker pool, requeues
+them when a worker is lost, and cancels them.
 
-Role: owns job records (KV bucket `ot_jobs`); the per-step data path never passes here.
-It keeps no state of its own: every record lives in JetStream, so it restarts freely.
+Role: owns job records (KV `ot_jobs`) and placement; the per-step data path never
+passes here. It keeps no state of its own: records, the pool (`ot_workers`) and
+learners' reports all live in JetStream, so it can be killed and restarted at any time.
 
 Reads:
 - `ot.ctl.submit` (request/reply, queue group "scheduler"): SubmitJob -> SubmitReply.
   A bad spec is refused with the field named.
 - `ot.ctl.cancel` (request/reply): CancelJob -> CancelReply.
-- `ot.job.*.events` (OT_EVENTS, durable "scheduler-events"): state reported by learners.
+- `ot.job.*.events` (OT_EVENTS, durable "scheduler-events"): state reported by
+  learners and inference clients; a report from a past attempt is ignored.
+- KV `ot_workers`: the live workers of its pool (placement.py decides).
 Writes:
-- KV `ot_jobs`: JobRecord per job id.
-- `ot.ctl.assign.learner` (OT_CTL work queue): JobAssigned, taken by one learner.
-- `ot.job.<id>.events`: JobStateChanged (queued, cancelled).
+- KV `ot_jobs`: JobRecord per job id (compare-and-set on the revision it read).
+- `ot.ctl.assign.learner.<worker>` (OT_CTL work queue): JobAssigned for the placed learner.
+- `ot.job.<id>.events`: JobStateChanged (queued, requeued, running for inference, cancelled).
 
-Worker pool, placement, users and auth come later (issue 4): placement will replace the
-single shared assignment queue with per-worker subjects.
+Every RECONCILE_S (and at once after a submit or a report) it requeues the placed jobs
+of workers that left the pool (missed heartbeats: a training job resumes from its last
+checkpoint) and places queued jobs on free workers (placement.py).
 
 Run: `opentinker serve scheduler` or `python -m opentinker.services.scheduler`.
 """
@@ -22,13 +27,14 @@ Run: `opentinker serve scheduler` or `python -m opentinker.services.scheduler`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from opentinker.schemas import (
     CancelJob, CancelReply, JobAssigned, JobRecord, JobState, JobStateChanged, SubmitJob,
@@ -36,12 +42,19 @@ from opentinker.schemas import (
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError, error_field, validate_job_spec
+from opentinker.schemas.pool import Placement
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
+from opentinker.services.core.pool import live_workers
 from opentinker.services.core.runner import run_service
+from opentinker.schemas.users import User
+from opentinker.services.scheduler.placement import Quota, holders, lost_workers, plan
+from opentinker.services.scheduler.users import AuthError, Users
 
 log = logging.getLogger("opentinker.scheduler")
 SERVICE = "scheduler"
+RECONCILE_S = 1.0
+HISTORY_KEPT = 50
 
 
 def new_job_id(name: str) -> str:
@@ -69,25 +82,83 @@ def refuse_submit(data: bytes) -> SubmitReply | SubmitJob:
     return cmd
 
 
-class Scheduler:
-    def __init__(self, bus: Bus):
-        self.bus = bus
+def with_state(rec: JobRecord, state: JobState, reason: str = "", **changes) -> JobRecord:
+    """`rec` moved to `state`, the move noted in its history."""
+    now = time.time()
+    note = f"{now:.3f} {state.value}" + (f": {reason}" if reason else "")
+    return msgspec.structs.replace(rec, state=state, reason=reason, updated_s=now,
+                                   history=[*rec.history, note][-HISTORY_KEPT:], **changes)
 
-    async def record(self, job_id: str) -> JobRecord | None:
+
+def visible(rec: JobRecord, user: User) -> bool:
+    """Whether `user` may see and act on the job: their own, or any for an admin."""
+    return user.role == "admin" or rec.user == user.name
+
+
+class Conflict(Exception):
+    """A record changed between read and write (another writer won); retry next round."""
+
+
+class Scheduler:
+    def __init__(self, bus: Bus, settings: Settings):
+        self.bus = bus
+        self.settings = settings
+        self.users = Users(bus)
+        self.quotas: dict[str, Quota] = {}
+        self.pool = settings.pool
+        self.lock = asyncio.Lock()   # one writer of records at a time in this process
+        self.wake = asyncio.Event()
+
+    # -- records --
+
+    async def record(self, job_id: str) -> tuple[JobRecord, int] | None:
+        """(record, KV revision), or None."""
         kv = await self.bus.kv(S.KV_JOBS)
         try:
             entry = await kv.get(job_id)
         except KeyNotFoundError:
             return None
-        return decode(entry.value, JobRecord) if entry.value else None
+        return (decode(entry.value, JobRecord), entry.revision) if entry.value else None
 
-    async def put(self, rec: JobRecord) -> None:
-        await (await self.bus.kv(S.KV_JOBS)).put(rec.job_id, encode(rec))
+    async def put(self, rec: JobRecord, revision: int | None) -> int:
+        """Write `rec` if the stored revision is still `revision` (None: a new key).
+        Raises Conflict otherwise."""
+        kv = await self.bus.kv(S.KV_JOBS)
+        try:
+            if revision is None:
+                return await kv.create(rec.job_id, encode(rec))
+            return await kv.update(rec.job_id, encode(rec), last=revision)
+        except KeyWrongLastSequenceError:
+            raise Conflict(rec.job_id) from None
+
+    async def records(self) -> list[tuple[JobRecord, int]]:
+        """Every record of this scheduler's pool."""
+        out = []
+        for key, (value, rev) in (await self.bus.kv_values(S.KV_JOBS)).items():
+            try:
+                rec = decode(value, JobRecord)
+            except msgspec.MsgspecError as e:
+                log.warning("unreadable job record %s: %s", key, e)
+                continue
+            if rec.pool == self.pool:
+                out.append((rec, rev))
+        return out
 
     async def announce(self, rec: JobRecord) -> None:
         ev = JobStateChanged(job_id=rec.job_id, state=rec.state, reason=rec.reason, step=rec.step,
-                             time_s=time.time(), source=SERVICE)
+                             time_s=time.time(), source=SERVICE, attempt=rec.attempt)
         await self.bus.publish(S.job(rec.job_id, "events"), ev)
+
+    async def load_quotas(self) -> None:
+        """Each user's quota: their own limits, else the scheduler's defaults."""
+        self.quotas = {u.name: Quota(u.max_jobs or self.settings.max_jobs_per_user,
+                                     u.max_workers or self.settings.max_workers_per_user)
+                       for u in await self.users.users()}
+
+    def quota_of(self, user: str) -> Quota:
+        return self.quotas.get(user) or Quota(self.settings.max_jobs_per_user, self.settings.max_workers_per_user)
+
+    # -- commands --
 
     async def on_submit(self, m: Msg) -> None:
         parsed = refuse_submit(m.data)
@@ -95,59 +166,174 @@ class Scheduler:
             log.info("refused a job: %s", parsed.error)
             reply = parsed
         else:
-            reply = await self.submit(parsed)
+            try:
+                user = await self.users.authenticate(parsed.api_key)
+            except AuthError as e:
+                reply = SubmitReply(ok=False, error=e.reason, field="api_key")
+            else:
+                reply = await self.submit(parsed, user.name)
         if m.reply:
             await self.bus.nc.publish(m.reply, encode(reply))
 
-    async def submit(self, cmd: SubmitJob) -> SubmitReply:
+    async def submit(self, cmd: SubmitJob, user: str = "") -> SubmitReply:
         job_id = cmd.job_id or new_job_id(cmd.spec.name or cmd.spec.env)
-        if await self.record(job_id) is not None:
-            return SubmitReply(ok=False, error=f"job {job_id} already exists", field="job_id")
         now = time.time()
         rec = JobRecord(job_id=job_id, spec=cmd.spec, state=JobState.QUEUED, created_s=now,
-                        updated_s=now, history=[f"{now:.3f} queued"])
-        await self.put(rec)
-        await self.bus.publish(S.ASSIGN_LEARNER, JobAssigned(job_id=job_id, spec=cmd.spec),
-                               msg_id=f"assign-{job_id}")
+                        updated_s=now, history=[f"{now:.3f} queued"], kind=cmd.kind, user=user,
+                        pool=self.pool)
+        async with self.lock:
+            try:
+                await self.put(rec, None)
+            except Conflict:
+                return SubmitReply(ok=False, error=f"job {job_id} already exists", field="job_id")
         await self.announce(rec)
-        log.info("accepted job %s (model=%s env=%s steps=%d)", job_id, cmd.spec.model,
-                 cmd.spec.env, cmd.spec.steps)
+        self.wake.set()
+        log.info("accepted %s job %s of %r (model=%s env=%s steps=%d)", cmd.kind, job_id, user,
+                 cmd.spec.model, cmd.spec.env, cmd.spec.steps)
         return SubmitReply(ok=True, job_id=job_id)
 
     async def on_cancel(self, cmd: CancelJob, _m: Msg) -> CancelReply:
-        rec = await self.record(cmd.job_id)
-        if rec is None:
-            return CancelReply(ok=False, error=f"no job {cmd.job_id}")
-        if rec.state.terminal:
-            return CancelReply(ok=False, state=rec.state.value,
-                               error=f"job {cmd.job_id} already {rec.state.value}")
-        now = time.time()
-        rec = msgspec.structs.replace(rec, state=JobState.CANCELLED, reason=cmd.reason, updated_s=now,
-                                      history=[*rec.history, f"{now:.3f} cancelled: {cmd.reason}"])
-        await self.put(rec)
+        try:
+            user = await self.users.authenticate(cmd.api_key)
+        except AuthError as e:
+            return CancelReply(ok=False, error=e.reason)
+        return await self.cancel(cmd.job_id, cmd.reason, user)
+
+    async def cancel(self, job_id: str, reason: str, user: User) -> CancelReply:
+        """Cancel a job of `user` (any job, for an admin)."""
+        async with self.lock:
+            got = await self.record(job_id)
+            if got is None or not visible(got[0], user):
+                return CancelReply(ok=False, error=f"no job {job_id}")
+            rec, rev = got
+            if rec.state.terminal:
+                return CancelReply(ok=False, state=rec.state.value,
+                                   error=f"job {job_id} already {rec.state.value}")
+            rec = with_state(rec, JobState.CANCELLED, reason)
+            try:
+                await self.put(rec, rev)
+            except Conflict:
+                return CancelReply(ok=False, state=rec.state.value, error="job changed meanwhile; try again")
         await self.announce(rec)
+        with contextlib.suppress(NotFoundError):
+            await self.bus.js.purge_stream("OT_ROLLOUT", subject=S.rollout_all(job_id))
+        self.wake.set()
         return CancelReply(ok=True, state=rec.state.value)
 
     async def on_event(self, ev: JobStateChanged, _m: Msg) -> None:
-        """Fold a learner's report into the job record. A terminal record never changes."""
+        """Fold a learner's (or inference client's) report into the job record. A
+        terminal record never changes; a report from a past attempt is ignored."""
         if ev.source == SERVICE:
             return
-        rec = await self.record(ev.job_id)
-        if rec is None or rec.state.terminal:
-            return
-        history = rec.history if ev.state == rec.state else [*rec.history, f"{ev.time_s:.3f} {ev.state.value}"]
-        rec = msgspec.structs.replace(rec, state=ev.state, reason=ev.reason, step=max(rec.step, ev.step),
-                                      updated_s=time.time(), history=history[-50:])
-        await self.put(rec)
+        async with self.lock:
+            got = await self.record(ev.job_id)
+            if got is None:
+                return
+            rec, rev = got
+            if rec.state.terminal or rec.placement is None or ev.attempt not in (0, rec.attempt):
+                return
+            if ev.state == JobState.QUEUED:
+                return  # only the scheduler requeues
+            history = rec.history if ev.state == rec.state else \
+                [*rec.history, f"{ev.time_s:.3f} {ev.state.value}" + (f": {ev.reason}" if ev.reason else "")]
+            rec = msgspec.structs.replace(rec, state=ev.state, reason=ev.reason, step=max(rec.step, ev.step),
+                                          updated_s=time.time(), history=history[-HISTORY_KEPT:])
+            try:
+                await self.put(rec, rev)
+            except Conflict:
+                raise RuntimeError(f"job {ev.job_id} changed meanwhile") from None  # redelivered
+        if rec.state.terminal:
+            self.wake.set()  # its workers are free
+
+    # -- placement --
+
+    async def reconcile(self) -> None:
+        """One round: requeue the jobs of lost workers, then place queued jobs."""
+        await self.load_quotas()
+        async with self.lock:
+            live = await live_workers(self.bus, self.pool)
+            recs = await self.records()
+            active = [(r, v) for r, v in recs if not r.state.terminal and r.placement is not None]
+            for rec, rev in active:
+                lost = lost_workers(rec, live)
+                if lost:
+                    with contextlib.suppress(Conflict):
+                        await self.requeue(rec, rev, lost)
+            recs = await self.records()
+            active = [r for r, _ in recs if not r.state.terminal and r.placement is not None]
+            queued = {r.job_id: (r, v) for r, v in recs if r.state == JobState.QUEUED and r.placement is None}
+            for rec, p in plan([r for r, _ in queued.values()], active, live, self.quota_of, time.time()):
+                with contextlib.suppress(Conflict):
+                    await self.place(rec, queued[rec.job_id][1], p)
+
+    async def requeue(self, rec: JobRecord, rev: int, lost: list[str]) -> None:
+        why = f"worker {', '.join(lost)} left the pool; requeued from the last checkpoint"
+        rec = with_state(rec, JobState.QUEUED, why, placement=None)
+        await self.put(rec, rev)
+        log.warning("job %s: %s", rec.job_id, why)
+        await self.announce(rec)  # a surviving learner of the job stops on this
+        with contextlib.suppress(NotFoundError):
+            await self.bus.js.purge_stream("OT_ROLLOUT", subject=S.rollout_all(rec.job_id))
+        for w in lost:
+            await self.forget_worker(w)
+
+    async def forget_worker(self, worker: str) -> None:
+        """Drop a lost worker's consumers and the work addressed to it."""
+        for stream, durable, subject in (("OT_CTL", f"learner-{worker}", S.assign_learner(worker)),
+                                         ("OT_ROLLOUT", f"rollout-{worker}", S.rollout_of_worker(worker))):
+            with contextlib.suppress(NotFoundError):
+                await self.bus.js.delete_consumer(stream, durable)
+            with contextlib.suppress(NotFoundError):
+                await self.bus.js.purge_stream(stream, subject=subject)
+
+    async def place(self, rec: JobRecord, rev: int, p: Placement) -> None:
+        where = ", ".join(holders(msgspec.structs.replace(rec, placement=p)))
+        state = JobState.RUNNING if rec.kind == "inference" else JobState.QUEUED
+        rec = with_state(rec, state, f"placed on {where} (attempt {p.attempt})", placement=p, attempt=p.attempt)
+        await self.put(rec, rev)
+        if rec.kind == "train":
+            await self.bus.publish(S.assign_learner(p.learner),
+                                   JobAssigned(job_id=rec.job_id, spec=rec.spec, attempt=p.attempt,
+                                               rollout_workers=list(p.rollout)),
+                                   msg_id=f"assign-{rec.job_id}-a{p.attempt}")
+        await self.announce(rec)
+        log.info("job %s placed on %s (attempt %d)", rec.job_id, where, p.attempt)
+
+    async def run_placement(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.reconcile()
+            except Exception:
+                log.exception("placement round failed; retrying")
+            self.wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), RECONCILE_S)
 
 
 async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
-    sched = Scheduler(bus)
+    S.check_worker_id(settings.pool)
+    sched = Scheduler(bus, settings)
+    await sched.users.bootstrap_admin()
     await bus.nc.subscribe(S.SUBMIT, queue=SERVICE, cb=sched.on_submit)
     await bus.serve(S.CANCEL, CancelJob, sched.on_cancel, queue=SERVICE)
-    events = await bus.pull("OT_EVENTS", "scheduler-events", "ot.job.*.events")
-    log.info("scheduler ready on %s", settings.nats_url)
-    await bus.consume(events, JobStateChanged, sched.on_event, stop)
+    events = await bus.pull("OT_EVENTS", f"scheduler-events-{settings.pool}", "ot.job.*.events")
+    placing = asyncio.create_task(sched.run_placement(stop))
+    server = None
+    if settings.api_port:
+        from opentinker.services.scheduler.api import serve_api
+
+        server = await serve_api(sched, settings.api_host, settings.api_port)
+        log.info("REST API and dashboard on http://%s:%d/", settings.api_host, settings.api_port)
+    log.info("scheduler of pool %s ready on %s", settings.pool, settings.nats_url)
+    try:
+        await bus.consume(events, JobStateChanged, sched.on_event, stop)
+    finally:
+        placing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await placing
+        if server is not None:
+            server.should_exit = True
+            await server.task
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -85,12 +85,10 @@ async def drain(bus, sub, kind, into: list) -> None:
 
 @pytest.mark.timeout(180)
 async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
-    # a JobAssigned left in the work queue by another test would occupy this learner first
-    await bus.js.purge_stream("OT_CTL", subject=S.ASSIGN_LEARNER)
     spec = JobSpec(model=tiny_model, lora_rank=4, lora_alpha=8, steps=2, prompts_per_step=2,
                    group_size=2, micro_batch_size=2, checkpoint_every=1, lr=1e-2,
                    sampling=SamplingParams(max_new_tokens=8))
-    rollout_sub = await bus.pull("OT_ROLLOUT", f"fake-rollout-{job_id}", S.job(job_id, "rollout"))
+    rollout_sub = await bus.pull("OT_ROLLOUT", f"fake-rollout-{job_id}", S.rollout(job_id, "fake"))
     subs = {kind: await bus.pull(stream, f"watch-{job_id}-{kind.__name__}", S.job(job_id, fam),
                                  deliver_policy=DeliverPolicy.ALL)
             for kind, stream, fam in ((Metrics, "OT_METRICS", "metrics"),
@@ -100,13 +98,13 @@ async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
     bad_events = await bus.pull("OT_EVENTS", f"watch-{bad_id}", S.job(bad_id, "events"))
     dlq = await bus.pull("OT_DLQ", f"dlq-{job_id}", S.dead_letter("learner"), deliver_policy=DeliverPolicy.NEW)
     fake = FakeRollout(tiny_model)
-    services.start("learner")
+    services.start("learner", f"worker_id=l-{job_id}")
     # an undecodable assignment and a job that cannot load its model come first: the
     # learner dead-letters the one, fails the other, and goes on to the real job
-    await bus.js.publish(S.ASSIGN_LEARNER, b"\xc1 not msgpack")
+    await bus.js.publish(S.assign_learner(f"l-{job_id}"), b"\xc1 not msgpack")
     bad = msgspec.structs.replace(spec, model=str(services.home / "no-such-model"))
-    await bus.publish(S.ASSIGN_LEARNER, JobAssigned(job_id=bad_id, spec=bad))
-    await bus.publish(S.ASSIGN_LEARNER, JobAssigned(job_id=job_id, spec=spec), msg_id=f"assign-{job_id}")
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=bad_id, spec=bad, rollout_workers=["fake"]))
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"]), msg_id=f"assign-{job_id}")
 
     requests: list[RolloutRequest] = []
     seen = {Metrics: [], WeightsPublished: [], JobStateChanged: []}
@@ -133,7 +131,7 @@ async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
     assert failed[-1].state == JobState.FAILED and "no-such-model" in failed[-1].reason
     letters: list[DeadLetter] = []
     await drain(bus, dlq, DeadLetter, letters)
-    assert any(d.subject == S.ASSIGN_LEARNER and "JobAssigned" in d.reason for d in letters)
+    assert any(d.subject == S.assign_learner(f"l-{job_id}") and "JobAssigned" in d.reason for d in letters)
 
     states = [e.state for e in seen[JobStateChanged] if e.source == "learner"]
     assert states[0] == JobState.RUNNING and states[-1] == JobState.COMPLETED, services.logs()
@@ -174,17 +172,16 @@ async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
 
 @pytest.mark.timeout(180)
 async def test_a_restarted_learner_resumes_from_the_checkpoint(bus, job_id, tiny_model, services):
-    await bus.js.purge_stream("OT_CTL", subject=S.ASSIGN_LEARNER)
     spec = JobSpec(model=tiny_model, lora_rank=4, lora_alpha=8, steps=3, prompts_per_step=2,
                    group_size=2, micro_batch_size=4, checkpoint_every=1, lr=1e-2,
                    sampling=SamplingParams(max_new_tokens=8))
-    rollout_sub = await bus.pull("OT_ROLLOUT", f"fake-rollout-{job_id}", S.job(job_id, "rollout"))
+    rollout_sub = await bus.pull("OT_ROLLOUT", f"fake-rollout-{job_id}", S.rollout(job_id, "fake"))
     weights_sub = await bus.pull("OT_WEIGHTS", f"watch-{job_id}-w", S.job(job_id, "weights"))
     metrics_sub = await bus.pull("OT_METRICS", f"watch-{job_id}-m", S.job(job_id, "metrics"))
     events_sub = await bus.pull("OT_EVENTS", f"watch-{job_id}-e", S.job(job_id, "events"))
     fake = FakeRollout(tiny_model)
-    first = services.start("learner")
-    await bus.publish(S.ASSIGN_LEARNER, JobAssigned(job_id=job_id, spec=spec), msg_id=f"assign-{job_id}")
+    first = services.start("learner", f"worker_id=l-{job_id}")
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"]), msg_id=f"assign-{job_id}")
 
     pending: list[tuple[RolloutRequest, object]] = []
     metrics: list[Metrics] = []
@@ -211,7 +208,7 @@ async def test_a_restarted_learner_resumes_from_the_checkpoint(bus, job_id, tiny
     await asyncio.to_thread(first.wait, 30)
     # step 1's trajectories arrive while no learner runs; a new learner must train on them
     await poll({1})
-    services.start("learner")
+    services.start("learner", f"worker_id=l-{job_id}")
     while not any(e.state == JobState.COMPLETED for e in events):
         await poll({1, 2})
 
@@ -251,16 +248,15 @@ async def test_checkpoints_travel_inline_when_small_and_by_pointer_when_large(bu
 
 @pytest.mark.timeout(180)
 async def test_a_cancelled_job_stops_and_the_learner_serves_the_next(bus, job_id, tiny_model, services):
-    await bus.js.purge_stream("OT_CTL", subject=S.ASSIGN_LEARNER)
     spec = JobSpec(model=tiny_model, lora_rank=4, lora_alpha=8, steps=5, prompts_per_step=1,
                    group_size=2, micro_batch_size=2, sampling=SamplingParams(max_new_tokens=8))
     next_id = f"{job_id}-next"
-    rollout_subs = [await bus.pull("OT_ROLLOUT", f"fake-rollout-{j}", S.job(j, "rollout")) for j in (job_id, next_id)]
+    rollout_subs = [await bus.pull("OT_ROLLOUT", f"fake-rollout-{j}", S.rollout(j, "fake")) for j in (job_id, next_id)]
     events_subs = [await bus.pull("OT_EVENTS", f"watch-{j}-e", S.job(j, "events")) for j in (job_id, next_id)]
     metrics_sub = await bus.pull("OT_METRICS", f"watch-{job_id}-m", S.job(job_id, "metrics"))
     fake = FakeRollout(tiny_model)
-    services.start("learner")
-    await bus.publish(S.ASSIGN_LEARNER, JobAssigned(job_id=job_id, spec=spec))
+    services.start("learner", f"worker_id=l-{job_id}")
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"]))
     metrics: list[Metrics] = []
     events: list[JobStateChanged] = []
     deadline = time.monotonic() + TIMEOUT_S
@@ -283,7 +279,8 @@ async def test_a_cancelled_job_stops_and_the_learner_serves_the_next(bus, job_id
     await bus.publish(S.job(job_id, "events"), JobStateChanged(
         job_id=job_id, state=JobState.CANCELLED, reason="by the test", source="scheduler"))
     # the learner hands the job back as done and takes the next one
-    await bus.publish(S.ASSIGN_LEARNER, JobAssigned(job_id=next_id, spec=msgspec.structs.replace(spec, steps=1)))
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=next_id, spec=msgspec.structs.replace(spec, steps=1),
+                                                          rollout_workers=["fake"]))
     while not any(e.job_id == next_id and e.state == JobState.COMPLETED for e in events):
         await poll()
 
@@ -291,6 +288,6 @@ async def test_a_cancelled_job_stops_and_the_learner_serves_the_next(bus, job_id
     assert all(e.state == JobState.RUNNING for e in mine), services.logs()
     assert [m.step for m in metrics] == [0]
     # both assignments are acknowledged (done), none handed back for redelivery
-    while (info := await bus.js.consumer_info("OT_CTL", "learner")).num_ack_pending:
+    while (info := await bus.js.consumer_info("OT_CTL", f"learner-l-{job_id}")).num_ack_pending:
         await poll()
     assert info.num_pending == 0 and info.num_redelivered == 0

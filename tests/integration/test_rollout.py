@@ -138,7 +138,7 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
 
     # policy version 0: the base model
-    await bus.publish(S.job(job_id, "rollout"), rollout_request(job_id, tiny_model, env, "r0", 0))
+    await bus.publish(S.rollout(job_id, f"w-{job_id}"), rollout_request(job_id, tiny_model, env, "r0", 0))
     v0 = await collect(bus, traj_sub, 3, services)
     assert [t.episode_id for t in v0] == ["r0-e0", "r0-e1", "r0-e2"]
     for t in v0:
@@ -155,7 +155,7 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
                           sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), lora_rank=8,
                           lora_alpha=16, target_modules=["q_proj", "v_proj"], step=1)
     await bus.publish(S.job(job_id, "weights"), ev, msg_id=f"{job_id}-w1")
-    await bus.publish(S.job(job_id, "rollout"), rollout_request(job_id, tiny_model, env, "r1", 1))
+    await bus.publish(S.rollout(job_id, f"w-{job_id}"), rollout_request(job_id, tiny_model, env, "r1", 1))
     v1 = await collect(bus, traj_sub, 3, services)
     for t in v1:
         check_masks(t, tok)
@@ -167,7 +167,7 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
     # another job on the same model and worker: the engine goes back to the base weights
     other = f"{job_id}-b"
     other_sub = await bus.pull("OT_TRAJ", f"traj-{other}", S.job(other, "traj"))
-    await bus.publish(S.job(other, "rollout"), rollout_request(other, tiny_model, env, "r0", 0))
+    await bus.publish(S.rollout(other, f"w-{job_id}"), rollout_request(other, tiny_model, env, "r0", 0))
     for t in await collect(bus, other_sub, 3, services):
         check_masks(t, tok)
         assert torch.allclose(torch.tensor([t.logprobs[i] for i, m in enumerate(t.loss_mask) if m]),
@@ -182,7 +182,7 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
     ev = WeightsPublished(job_id=job_id, policy_version=2, kind="full", uri=f"file://{path}",
                           sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data), step=2)
     await bus.publish(S.job(job_id, "weights"), ev, msg_id=f"{job_id}-w2")
-    await bus.publish(S.job(job_id, "rollout"), rollout_request(job_id, tiny_model, env, "r2", 2))
+    await bus.publish(S.rollout(job_id, f"w-{job_id}"), rollout_request(job_id, tiny_model, env, "r2", 2))
     for t in await collect(bus, traj_sub, 3, services):
         check_masks(t, tok)
         assert t.policy_version == 2
@@ -197,7 +197,7 @@ async def test_rollout_service_hf(bus, services, job_id, tiny_model, tmp_path):
     # a restarted worker knows the job's policy from the stream alone
     services.stop_all()
     services.start("rollout", "engine=hf", f"worker_id=w2-{job_id}")
-    await bus.publish(S.job(job_id, "rollout"), rollout_request(job_id, tiny_model, env, "r3", 2))
+    await bus.publish(S.rollout(job_id, f"w2-{job_id}"), rollout_request(job_id, tiny_model, env, "r3", 2))
     for t in await collect(bus, traj_sub, 3, services):
         assert t.policy_version == 2 and t.worker == f"w2-{job_id}"
         assert torch.allclose(torch.tensor([t.logprobs[i] for i, m in enumerate(t.loss_mask) if m]),
@@ -211,11 +211,11 @@ async def test_rollout_service_hf(bus, services, job_id, tiny_model, tmp_path):
     await kv.put(done_job, encode(JobRecord(job_id=done_job, spec=JobSpec(), state=JobState.COMPLETED)))
     dlq = await bus.pull("OT_DLQ", f"dlq-{job_id}", S.dead_letter("rollout"),
                          deliver_policy=nats.js.api.DeliverPolicy.NEW)
-    await bus.publish(S.job(done_job, "rollout"),
+    await bus.publish(S.rollout(done_job, f"w2-{job_id}"),
                       rollout_request(done_job, "smollm2-135m-instruct", "count", "rx", 0))
-    await bus.js.publish(S.job(job_id, "rollout"), b"\xc1 not a request")
+    await bus.js.publish(S.rollout(job_id, f"w2-{job_id}"), b"\xc1 not a request")
     bad = msgspec.structs.replace(rollout_request(job_id, "m", "count", "ry", 0), group_size=0)
-    await bus.js.publish(S.job(job_id, "rollout"), encode(bad))
+    await bus.js.publish(S.rollout(job_id, f"w2-{job_id}"), encode(bad))
     reasons = []
     deadline = time.monotonic() + 60
     while len(reasons) < 2 and time.monotonic() < deadline:
@@ -224,7 +224,7 @@ async def test_rollout_service_hf(bus, services, job_id, tiny_model, tmp_path):
     assert any("`group_size`" in r for r in reasons), reasons
     for _ in range(30):  # acked requests leave the work queue
         try:
-            await bus.js.get_last_msg("OT_ROLLOUT", S.job(done_job, "rollout"))
+            await bus.js.get_last_msg("OT_ROLLOUT", S.rollout(done_job, f"w2-{job_id}"))
         except nats.js.errors.NotFoundError:
             break
         await asyncio.sleep(0.5)

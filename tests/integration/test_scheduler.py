@@ -9,7 +9,8 @@ from opentinker.schemas import subjects as S
 from opentinker.schemas.job import SpecError
 from opentinker.sdk import Client, JobFailed
 
-from conftest import delete_consumers
+from opentinker.schemas.pool import WorkerCapacity
+from opentinker.services.core.pool import Heartbeat
 
 
 @pytest.fixture
@@ -48,23 +49,32 @@ async def test_bad_spec_refused_naming_the_field(client):
     assert e.value.field == "sampling.temperature"
 
 
-async def test_submit_records_assigns_and_cancels(client, bus, job_id):
+async def test_submit_records_assigns_and_cancels(client, bus, job_id, services):
     job = await client.submit({"env": "arith", "steps": 3}, job_id=job_id)
     assert job.id == job_id
     rec = await job.record()
     assert rec.state == JobState.QUEUED and rec.spec.steps == 3
 
-    # the assignment is on the learners' work queue (take the learners' place to see it)
-    await delete_consumers(bus, "OT_CTL")
-    sub = await bus.pull("OT_CTL", f"peek-{job_id}", S.ASSIGN_LEARNER)
-    found = False
-    for m in await bus.fetch(sub, 100, 3):
-        a = decode(m.data, JobAssigned)
-        if a.job_id == job_id:
-            found = True
-            await m.ack()  # take it, as a learner would
-    assert found
-    await delete_consumers(bus, "OT_CTL")
+    # no worker in the pool: the job waits. Then a learner and a rollout worker join
+    # (this test plays their part with their heartbeats) and the job is placed on them
+    await asyncio.sleep(1.5)
+    assert (await job.record()).placement is None
+    sub = await bus.pull("OT_CTL", f"peek-{job_id}", S.assign_learner(f"l-{job_id}"))
+    beats = [Heartbeat(bus, kind, f"{kind[0]}-{job_id}", services.pool, WorkerCapacity(slots=1), list)
+             for kind in ("learner", "rollout")]
+    for b in beats:
+        await b.start()
+    try:
+        msgs = await bus.fetch(sub, 1, 10)
+        assert msgs, f"no assignment\n{services.logs()}"
+        a = decode(msgs[0].data, JobAssigned)
+        assert a.job_id == job_id and a.rollout_workers == [f"r-{job_id}"] and a.attempt == 1
+        await msgs[0].ack()  # taken, as a learner would
+        rec = await job.record()
+        assert rec.placement.learner == f"l-{job_id}" and rec.placement.rollout == [f"r-{job_id}"]
+    finally:
+        for b in beats:
+            await b.stop()
 
     # attach by id from a second client, cancel, and wait
     other = await Client.connect(client.bus.nc.connected_url.geturl())

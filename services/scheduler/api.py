@@ -1,0 +1,249 @@
+"""The REST API and web dashboard, served by the scheduler process (FastAPI + uvicorn
+in the scheduler's event loop).
+
+Every /v1 route except /v1/health needs `Authorization: Bearer <API key>` (users.py).
+A user sees and acts on their own jobs only (an admin on every job); another user's job
+answers 404, as a job that does not exist. Errors are JSON `{"detail": {"error": ...,
+"field": ...}}` with 401 (no valid key), 403 (not allowed), 404, 409 (conflict) or 422
+(the field that is wrong). The OpenAPI spec is at /openapi.json, the docs at /docs, the
+dashboard at /.
+
+Routes: GET /v1/health; POST/GET /v1/jobs; GET /v1/jobs/{id}; POST
+/v1/jobs/{id}/cancel; GET /v1/jobs/{id}/metrics, /events; GET /v1/workers; GET /v1/me;
+POST/GET /v1/users (admin); POST/GET /v1/users/{name}/keys; DELETE /v1/keys/{key_id}.
+"""
+
+import contextlib
+import time
+from pathlib import Path as FsPath
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
+import uvicorn
+from fastapi import Depends, FastAPI, HTTPException, Path, Query
+from fastapi.responses import FileResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, Field
+
+from opentinker.schemas import JobState, Metrics, SubmitJob
+from opentinker.schemas.control import JobStateChanged
+from opentinker.schemas import subjects as S
+from opentinker.schemas.job import JOB_ID_RE, SpecError, spec_from_dict
+from opentinker.schemas.users import User
+from opentinker.services.core.pool import live_workers
+from opentinker.services.scheduler.placement import current_load
+from opentinker.services.scheduler.users import USER_RE, AuthError, UserError
+
+if TYPE_CHECKING:
+    from opentinker.services.scheduler.service import Scheduler
+
+STATIC = FsPath(__file__).parent / "static"
+JobId = Annotated[str, Path(pattern=JOB_ID_RE.pattern, description="a job id ([a-z0-9-])")]
+UserName = Annotated[str, Path(pattern=USER_RE.pattern)]
+KeyId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")]
+
+
+class SubmitBody(BaseModel):
+    """A job to run: `spec` is a JobSpec (see schemas/job.py; unknown fields refused)."""
+
+    spec: dict[str, Any] = Field(default_factory=dict)
+    job_id: str = Field("", pattern=r"^$|" + JOB_ID_RE.pattern)
+    kind: Literal["train", "inference"] = "train"
+
+
+class CancelBody(BaseModel):
+    reason: str = Field("cancelled by user", max_length=500)
+
+
+class UserBody(BaseModel):
+    name: str = Field(pattern=USER_RE.pattern)
+    role: Literal["admin", "user"] = "user"
+    max_jobs: int = Field(0, ge=0, le=10_000, description="jobs placed at once (0: the default)")
+    max_workers: int = Field(0, ge=0, le=100_000, description="workers held at once (0: the default)")
+
+
+class KeyBody(BaseModel):
+    label: str = Field("", max_length=200)
+
+
+def problem(status: int, error: str, field: str = "") -> HTTPException:
+    detail = {"error": error, **({"field": field} if field else {})}
+    return HTTPException(status, detail=detail, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+
+def as_json(obj: Any) -> Any:
+    return msgspec.to_builtins(obj)
+
+
+def make_app(sched: "Scheduler") -> FastAPI:
+    """The FastAPI app over a running Scheduler (its bus, users and records)."""
+    app = FastAPI(title="OpenTinker", version="0.1.0",
+                  description="Agentic RL for LLMs as a service: jobs, workers, users and keys.")
+    bearer = HTTPBearer(auto_error=False, description="an OpenTinker API key")
+
+    async def current_user(cred: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> User:
+        try:
+            return await sched.users.authenticate(cred.credentials if cred else None)
+        except AuthError as e:
+            raise problem(e.status, e.reason) from None
+
+    async def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
+        if user.role != "admin":
+            raise problem(403, f"user {user.name!r} is not an admin")
+        return user
+
+    Current = Annotated[User, Depends(current_user)]
+    Admin = Annotated[User, Depends(admin_user)]
+
+    async def own_job(job_id: str, user: User):
+        from opentinker.services.scheduler.service import visible
+
+        got = await sched.record(job_id)
+        if got is None or not visible(got[0], user):
+            raise problem(404, f"no job {job_id}", "job_id")
+        return got[0]
+
+    def self_or_admin(name: str, user: User) -> None:
+        if user.role != "admin" and user.name != name:
+            raise problem(403, f"user {user.name!r} may not manage user {name!r}")
+
+    @app.get("/v1/health", tags=["service"])
+    async def health() -> dict[str, Any]:
+        """Liveness: the scheduler runs and is connected to NATS. No key needed."""
+        return {"status": "ok", "pool": sched.pool, "nats_connected": sched.bus.nc.is_connected}
+
+    @app.post("/v1/jobs", status_code=201, tags=["jobs"])
+    async def submit(body: SubmitBody, user: Current) -> dict[str, Any]:
+        """Submit a job; it is queued and placed on the pool. 422 names the bad field."""
+        try:
+            spec = spec_from_dict(body.spec)
+        except SpecError as e:
+            raise problem(422, str(e), f"spec.{e.field}") from None
+        reply = await sched.submit(SubmitJob(spec=spec, job_id=body.job_id, kind=body.kind), user.name)
+        if not reply.ok:
+            raise problem(409, reply.error, reply.field)
+        return {"job_id": reply.job_id}
+
+    @app.get("/v1/jobs", tags=["jobs"])
+    async def list_jobs(user: Current, state: Annotated[JobState | None, Query()] = None) -> list[dict[str, Any]]:
+        """Your jobs (every job, for an admin), newest first."""
+        from opentinker.services.scheduler.service import visible
+
+        recs = [r for r, _ in await sched.records() if visible(r, user) and (state is None or r.state == state)]
+        return [as_json(r) for r in sorted(recs, key=lambda r: r.created_s, reverse=True)]
+
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"])
+    async def get_job(job_id: JobId, user: Current) -> dict[str, Any]:
+        return as_json(await own_job(job_id, user))
+
+    @app.post("/v1/jobs/{job_id}/cancel", tags=["jobs"])
+    async def cancel_job(job_id: JobId, user: Current, body: CancelBody | None = None) -> dict[str, Any]:
+        await own_job(job_id, user)
+        reply = await sched.cancel(job_id, (body or CancelBody()).reason, user)
+        if not reply.ok:
+            raise problem(409, reply.error, "job_id")
+        return {"job_id": job_id, "state": reply.state}
+
+    @app.get("/v1/jobs/{job_id}/metrics", tags=["jobs"])
+    async def job_metrics(job_id: JobId, user: Current,
+                          split: Annotated[Literal["train", "eval"] | None, Query()] = None,
+                          limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> list[dict[str, Any]]:
+        """The job's metrics (one per training step, one per evaluation), oldest first."""
+        await own_job(job_id, user)
+        got = await sched.bus.read_subject("OT_METRICS", S.job(job_id, "metrics"), Metrics, limit)
+        return [as_json(m) for m in got if split is None or m.split == split]
+
+    @app.get("/v1/jobs/{job_id}/events", tags=["jobs"])
+    async def job_events(job_id: JobId, user: Current,
+                         limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> list[dict[str, Any]]:
+        """The job's state changes (its log), oldest first."""
+        await own_job(job_id, user)
+        got = await sched.bus.read_subject("OT_EVENTS", S.job(job_id, "events"), JobStateChanged, limit)
+        return [as_json(e) for e in got]
+
+    @app.get("/v1/workers", tags=["workers"])
+    async def workers(user: Current) -> list[dict[str, Any]]:
+        """The pool's live workers, each with the jobs placed on it."""
+        live = await live_workers(sched.bus, sched.pool)
+        active = [r for r, _ in await sched.records() if not r.state.terminal and r.placement is not None]
+        load = current_load(active)
+        placed: dict[str, list[str]] = {}
+        for r in active:
+            for w in [r.placement.learner, *r.placement.rollout]:
+                placed.setdefault(w, []).append(r.job_id)
+        now = time.time()
+        return [{**as_json(info), "placed_jobs": placed.get(w, []),
+                 "load": (load.learners[w] if info.kind == "learner" else load.rollout[w]) / max(1, info.capacity.slots),
+                 "heartbeat_age_s": round(now - info.time_s, 2)}
+                for w, info in sorted(live.items())]
+
+    @app.get("/v1/me", tags=["users"])
+    async def me(user: Current) -> dict[str, Any]:
+        return as_json(user)
+
+    @app.post("/v1/users", status_code=201, tags=["users"])
+    async def create_user(body: UserBody, _admin: Admin) -> dict[str, Any]:
+        try:
+            return as_json(await sched.users.create_user(body.name, body.role, body.max_jobs, body.max_workers))
+        except UserError as e:
+            raise problem(e.status, str(e), e.field) from None
+
+    @app.get("/v1/users", tags=["users"])
+    async def list_users(_admin: Admin) -> list[dict[str, Any]]:
+        return [as_json(u) for u in await sched.users.users()]
+
+    @app.post("/v1/users/{name}/keys", status_code=201, tags=["users"])
+    async def create_key(name: UserName, user: Current, body: KeyBody | None = None) -> dict[str, Any]:
+        """A new API key for user `name` (yourself, or anyone for an admin). The key is
+        in this answer only; the server keeps its argon2 hash."""
+        self_or_admin(name, user)
+        try:
+            rec, key = await sched.users.create_key(name, (body or KeyBody()).label)
+        except UserError as e:
+            raise problem(e.status, str(e), e.field) from None
+        return {"key_id": rec.key_id, "user": rec.user, "label": rec.label, "key": key}
+
+    @app.get("/v1/users/{name}/keys", tags=["users"])
+    async def list_keys(name: UserName, user: Current) -> list[dict[str, Any]]:
+        self_or_admin(name, user)
+        return [{k: v for k, v in as_json(r).items() if k != "hash"} for r in await sched.users.keys(name)]
+
+    @app.delete("/v1/keys/{key_id}", tags=["users"])
+    async def revoke_key(key_id: KeyId, user: Current) -> dict[str, Any]:
+        """Revoke a key (your own, or anyone's for an admin)."""
+        owner = next((k.user for k in await sched.users.keys() if k.key_id == key_id), None)
+        if owner is None or (user.role != "admin" and owner != user.name):
+            raise problem(404, f"no key {key_id}", "key_id")
+        rec = await sched.users.revoke(key_id)
+        return {"key_id": rec.key_id, "revoked_s": rec.revoked_s}
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "dashboard.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # the service's own SIGINT/SIGTERM handlers stop it (core/runner.py)
+
+
+async def serve_api(sched: "Scheduler", host: str, port: int) -> _Server:
+    """Start the API on host:port in this event loop; `server.should_exit = True` stops it.
+    Raises OSError if the port cannot be bound."""
+    import asyncio
+
+    server = _Server(uvicorn.Config(make_app(sched), host=host, port=port, log_level="warning",
+                                    lifespan="off", access_log=False))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise OSError(f"the REST API could not listen on {host}:{port}")
+        await asyncio.sleep(0.05)
+    server.task = task
+    return server

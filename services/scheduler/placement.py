@@ -1,0 +1,123 @@
+"""Placement: which queued jobs start now, and on which workers. Pure functions of the
+job records and the live workers; the scheduler service applies what they decide.
+
+Policy: first in, first out by submit time, with per-user quotas. A job over its user's
+quota waits without holding up other users' jobs; the first job that does not fit the
+free capacity stops placement for this round, so a large job is never starved by
+smaller ones behind it. A training job takes one free learner and `rollout_workers`
+rollout workers with a free slot; an inference job takes rollout workers only. Among
+rollout workers, those already serving the job's base model come first (LoRA jobs of
+one base model share a worker and its engine, each with its own adapter), then the
+least loaded. Every round starts from the records, so a freed worker is used at the
+next round (no stall after capacity frees up).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from opentinker.schemas import JobRecord
+from opentinker.schemas.pool import Placement, WorkerInfo
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A user's limits: jobs placed at once, and workers those jobs hold in all."""
+
+    max_jobs: int
+    max_workers: int
+
+
+def rollout_needed(rec: JobRecord) -> int:
+    """Rollout workers a job holds: `spec.rollout_workers`, none for SFT (no sampling)."""
+    return 0 if rec.kind == "train" and rec.spec.algorithm == "sft" else rec.spec.rollout_workers
+
+
+def workers_needed(rec: JobRecord) -> int:
+    """Workers a job holds: one learner (training jobs) plus its rollout workers."""
+    return (1 if rec.kind == "train" else 0) + rollout_needed(rec)
+
+
+def holders(rec: JobRecord) -> list[str]:
+    """The workers of a job's current placement ([] if it has none)."""
+    p = rec.placement
+    if p is None:
+        return []
+    return ([p.learner] if p.learner else []) + list(p.rollout)
+
+
+def lost_workers(rec: JobRecord, live: dict[str, WorkerInfo]) -> list[str]:
+    """The workers of a placed job that are no longer in the pool."""
+    return [w for w in holders(rec) if w not in live]
+
+
+@dataclass
+class Load:
+    """What the placed (active) jobs hold."""
+
+    learners: Counter = field(default_factory=Counter)
+    rollout: Counter = field(default_factory=Counter)
+    models: dict[str, set[str]] = field(default_factory=dict)
+    user_jobs: Counter = field(default_factory=Counter)
+    user_workers: Counter = field(default_factory=Counter)
+
+    def add(self, rec: JobRecord, p: Placement) -> None:
+        if p.learner:
+            self.learners[p.learner] += 1
+        for w in p.rollout:
+            self.rollout[w] += 1
+            self.models.setdefault(w, set()).add(rec.spec.model)
+        self.user_jobs[rec.user] += 1
+        self.user_workers[rec.user] += workers_needed(rec)
+
+
+def current_load(active: list[JobRecord]) -> Load:
+    load = Load()
+    for rec in active:
+        if rec.placement is not None:
+            load.add(rec, rec.placement)
+    return load
+
+
+def _supports(info: WorkerInfo, engine: str) -> bool:
+    return engine == "auto" or not info.capacity.engines or engine in info.capacity.engines
+
+
+def plan(queued: list[JobRecord], active: list[JobRecord], live: dict[str, WorkerInfo],
+         quota_of, now_s: float) -> list[tuple[JobRecord, Placement]]:
+    """Placements for the queued jobs that can start now, in submit order.
+
+    `queued`: records without a placement; `active`: placed, non-terminal records;
+    `live`: the pool's live workers by id; `quota_of(user) -> Quota`. A worker still
+    reporting a queued job among its `jobs` (a requeued job's old learner that has not
+    let go yet) keeps that job waiting.
+    """
+    load = current_load(active)
+    busy_with = {j for info in live.values() for j in info.jobs}
+    out = []
+    for rec in sorted(queued, key=lambda r: (r.created_s, r.job_id)):
+        q = quota_of(rec.user)
+        need = workers_needed(rec)
+        if load.user_jobs[rec.user] + 1 > q.max_jobs or load.user_workers[rec.user] + need > q.max_workers:
+            continue  # over quota: waits, and holds up no one else
+        if rec.job_id in busy_with:
+            continue  # the last attempt's worker is still letting go
+        learner = ""
+        if rec.kind == "train":
+            free = sorted(w for w, i in live.items()
+                          if i.kind == "learner" and load.learners[w] < i.capacity.slots)
+            if not free:
+                break
+            learner = free[0]
+        model = rec.spec.model
+        cands = [w for w, i in live.items() if i.kind == "rollout" and load.rollout[w] < i.capacity.slots
+                 and _supports(i, rec.spec.engine)]
+        cands.sort(key=lambda w: (model not in load.models.get(w, ()), load.rollout[w], w))
+        n = rollout_needed(rec)
+        if len(cands) < n:
+            break
+        p = Placement(attempt=rec.attempt + 1, learner=learner, rollout=cands[:n], placed_s=now_s)
+        load.add(rec, p)
+        out.append((rec, p))
+    return out

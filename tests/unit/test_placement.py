@@ -1,0 +1,90 @@
+"""Placement decisions (pure): FIFO, quotas, shared rollout workers, lost workers."""
+
+import msgspec
+
+from opentinker.schemas import JobRecord, JobSpec, JobState
+from opentinker.schemas.pool import Placement, WorkerCapacity, WorkerInfo
+from opentinker.services.scheduler.placement import Quota, lost_workers, plan
+
+BIG = Quota(max_jobs=10, max_workers=10)
+
+
+def worker(wid: str, kind: str, slots: int = 1, engines=(), jobs=()) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, kind=kind, capacity=WorkerCapacity(slots=slots, engines=list(engines)),
+                      jobs=list(jobs), time_s=1.0)
+
+
+def job(jid: str, t: float, user: str = "a", kind: str = "train", placement=None, **spec) -> JobRecord:
+    return JobRecord(job_id=jid, spec=JobSpec(**spec), created_s=t, user=user, kind=kind,
+                     placement=placement, state=JobState.RUNNING if placement else JobState.QUEUED,
+                     attempt=placement.attempt if placement else 0)
+
+
+def pool(*ws: WorkerInfo) -> dict[str, WorkerInfo]:
+    return {w.worker_id: w for w in ws}
+
+
+def test_fifo_places_what_fits_and_queues_the_rest():
+    live = pool(worker("l1", "learner"), worker("r1", "rollout", slots=4))
+    got = plan([job("b", 2.0), job("a", 1.0)], [], live, lambda u: BIG, 5.0)
+    assert [(r.job_id, p.learner, p.rollout, p.attempt) for r, p in got] == [("a", "l1", ["r1"], 1)]
+
+
+def test_a_freed_learner_takes_the_next_queued_job():
+    live = pool(worker("l1", "learner"), worker("r1", "rollout", slots=4))
+    running = job("a", 1.0, placement=Placement(attempt=1, learner="l1", rollout=["r1"]))
+    assert plan([job("b", 2.0)], [running], live, lambda u: BIG, 5.0) == []
+    got = plan([job("b", 2.0)], [], live, lambda u: BIG, 5.0)  # a finished
+    assert [r.job_id for r, _ in got] == ["b"]
+
+
+def test_the_first_job_that_does_not_fit_holds_back_later_ones():
+    live = pool(worker("l1", "learner"), worker("l2", "learner"), worker("r1", "rollout", slots=4))
+    big = job("big", 1.0, rollout_workers=2)   # needs two rollout workers: only one exists
+    small = job("small", 2.0)
+    assert plan([big, small], [], live, lambda u: BIG, 5.0) == []
+
+
+def test_quota_skips_a_user_without_blocking_others():
+    live = pool(*(worker(f"l{i}", "learner") for i in range(3)), worker("r1", "rollout", slots=8))
+    mine = job("a1", 0.5, user="alice", placement=Placement(attempt=1, learner="l0", rollout=["r1"]))
+    quota = {"alice": Quota(max_jobs=1, max_workers=10), "bob": BIG}
+    got = plan([job("a2", 1.0, user="alice"), job("b1", 2.0, user="bob")], [mine], live, quota.get, 5.0)
+    assert [r.job_id for r, _ in got] == ["b1"]
+    # workers quota: a job holding 1 learner + 3 rollout workers exceeds max_workers 3
+    live = pool(worker("l1", "learner"), *(worker(f"r{i}", "rollout") for i in range(3)))
+    got = plan([job("c", 1.0, user="carol", rollout_workers=3)], [], live,
+               lambda u: Quota(max_jobs=5, max_workers=3), 5.0)
+    assert got == []
+
+
+def test_jobs_of_one_base_model_share_a_rollout_worker():
+    live = pool(worker("l1", "learner"), worker("l2", "learner"),
+                worker("r1", "rollout", slots=4), worker("r2", "rollout", slots=4))
+    first = job("a", 1.0, model="m1", placement=Placement(attempt=1, learner="l1", rollout=["r2"]))
+    got = plan([job("b", 2.0, model="m1")], [first], live, lambda u: BIG, 5.0)
+    assert got[0][1].rollout == ["r2"]   # the worker already serving m1
+    got = plan([job("c", 2.0, model="m2")], [first], live, lambda u: BIG, 5.0)
+    assert got[0][1].rollout == ["r1"]   # another model: the least loaded worker
+
+
+def test_inference_jobs_need_no_learner_and_engines_are_respected():
+    live = pool(worker("r1", "rollout", engines=["hf"]), worker("r2", "rollout", engines=["vllm", "hf"]))
+    got = plan([job("i", 1.0, kind="inference", engine="vllm")], [], live, lambda u: BIG, 5.0)
+    assert got[0][1].learner == "" and got[0][1].rollout == ["r2"]
+    sft = job("s", 2.0, algorithm="sft", sft_data="x.jsonl")
+    got = plan([sft], [], pool(worker("l1", "learner")), lambda u: BIG, 5.0)
+    assert got[0][1].rollout == []       # SFT samples nothing
+
+
+def test_lost_workers_and_a_job_not_yet_let_go():
+    p = Placement(attempt=2, learner="l1", rollout=["r1", "r2"])
+    rec = job("a", 1.0, placement=p)
+    assert lost_workers(rec, pool(worker("l1", "learner"), worker("r1", "rollout"))) == ["r2"]
+    # requeued, but its old learner still reports it: it waits for the learner to let go
+    requeued = msgspec.structs.replace(rec, placement=None, state=JobState.QUEUED)
+    live = pool(worker("l1", "learner", jobs=["a"]), worker("l2", "learner"), worker("r1", "rollout"))
+    assert plan([requeued], [], live, lambda u: BIG, 5.0) == []
+    live["l1"] = worker("l1", "learner")
+    got = plan([requeued], [], live, lambda u: BIG, 5.0)
+    assert got[0][1].attempt == 3
