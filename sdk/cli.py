@@ -261,6 +261,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     services = tuple(s for s in SERVICES if s not in args.without)
     stack = Stack(_home(), nats_url=os.environ.get("NATS_URL") or None, services=services).start()
     print(f"OpenTinker up: NATS {stack.nats_url} (JetStream in {stack.home / 'nats'})")
+    if stack.api_url:
+        print(f"  REST API and dashboard {stack.api_url} (admin key in {stack.home / 'admin.key'})")
     for name, p in stack.procs.items():
         print(f"  {name:<10} pid {p.pid:<8} log {stack.log_dir / (name + '.log')}")
     print("Ctrl-C stops everything.", flush=True)

@@ -21,6 +21,7 @@ from opentinker.services.core.nats_server import NatsServer, free_port
 
 SERVICES = ("scheduler", "envhost", "recorder", "rollout", "learner")
 DEFAULT_PORT = 4222
+DEFAULT_API_PORT = 8470
 
 
 class Stack:
@@ -31,10 +32,11 @@ class Stack:
         self.home = Path(home)
         self.nats_url = nats_url
         self.services = services
-        self.overrides = overrides or {}
+        self.overrides = {k: list(v) for k, v in (overrides or {}).items()}
         self.log_dir = self.home / "logs"
         self.server: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}
+        self.api_url = ""
 
     def start(self) -> Stack:
         """Start everything; raises RuntimeError if nats-server or a service dies at once."""
@@ -44,12 +46,17 @@ class Stack:
             self.server = NatsServer(self.home / "nats", port=port,
                                      log_file=self.log_dir / "nats-server.log").start()
             self.nats_url = self.server.url
+        if "scheduler" in self.services and not any(o.startswith("api_port=") for o in self.overrides.get("scheduler", [])):
+            api_port = DEFAULT_API_PORT if _port_free(DEFAULT_API_PORT) else free_port()
+            self.overrides.setdefault("scheduler", []).append(f"api_port={api_port}")
+            self.api_url = f"http://127.0.0.1:{api_port}/"
         for name in self.services:
             self.spawn(name)
         time.sleep(1.0)
         self.check()
         (self.home / "stack.json").write_text(json.dumps(
-            {"nats_url": self.nats_url, "pids": {n: p.pid for n, p in self.procs.items()}}))
+            {"nats_url": self.nats_url, "api_url": self.api_url,
+             "pids": {n: p.pid for n, p in self.procs.items()}}))
         return self
 
     def admin_key_file(self) -> Path:

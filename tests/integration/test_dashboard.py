@@ -2,7 +2,6 @@
 against a running stack: a job trains while the page shows it, the workers and its
 reward curve. The test saves a screenshot."""
 
-import asyncio
 import os
 import shutil
 
