@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from nats.js import api
-from nats.js.errors import KeyNotFoundError
 
 from opentinker.schemas import (
     CancelJob, CancelReply, JobRecord, JobSpec, JobState, JobStateChanged, Metrics, SubmitJob,
@@ -70,11 +69,10 @@ class Job:
 
     async def record(self) -> JobRecord:
         """The scheduler's record. Raises KeyError if the job does not exist."""
-        kv = await self.client.bus.kv(S.KV_JOBS)
-        try:
-            return decode((await kv.get(self.id)).value, JobRecord)
-        except KeyNotFoundError:
-            raise KeyError(f"no job {self.id}") from None
+        got = await self.client.bus.job_record(self.id)
+        if got is None:
+            raise KeyError(f"no job {self.id}")
+        return got[0]
 
     async def _subscribe(self, family: str, from_start: bool) -> tuple[Any, asyncio.Queue]:
         """An ordered JetStream consumer on the job's `family` subject feeding a queue."""
@@ -209,19 +207,7 @@ class Client:
 
     async def jobs(self) -> list[JobRecord]:
         """Every job record, newest first."""
-        kv = await self.bus.kv(S.KV_JOBS)
-        try:
-            keys = await kv.keys()
-        except Exception as e:  # nats-py raises NoKeysError on an empty bucket
-            if type(e).__name__ == "NoKeysError":
-                return []
-            raise
-        recs = []
-        for k in keys:
-            try:
-                recs.append(decode((await kv.get(k)).value, JobRecord))
-            except KeyNotFoundError:
-                continue
+        recs = [decode(value, JobRecord) for value, _ in (await self.bus.kv_values(S.KV_JOBS)).values()]
         return sorted(recs, key=lambda r: r.created_s, reverse=True)
 
 

@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError
 
-from opentinker.schemas import DeadLetter, decode, encode, schema_name
+from opentinker.schemas import DeadLetter, JobRecord, decode, encode, schema_name
 from opentinker.schemas import subjects as S
 
 log = logging.getLogger("opentinker.bus")
@@ -125,6 +125,15 @@ class Bus:
                 history = 1 if bucket == S.KV_WORKERS else 8
                 self._kv[bucket] = await self.js.create_key_value(bucket=bucket, history=history, ttl=ttl)
         return self._kv[bucket]
+
+    async def job_record(self, job_id: str) -> tuple[JobRecord, int] | None:
+        """The scheduler's record of `job_id` and its KV revision, or None when there is
+        none. Raises msgspec.MsgspecError for an unreadable record."""
+        try:
+            entry = await (await self.kv(S.KV_JOBS)).get(job_id)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return (decode(entry.value, JobRecord), entry.revision) if entry.value else None
 
     async def kv_values(self, bucket: str, prefix: str = "") -> dict[str, tuple[bytes, int]]:
         """Every live key of `bucket` (starting with `prefix`) -> (value, revision)."""

@@ -27,10 +27,10 @@ import msgspec
 import torch
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from opentinker.schemas import (
-    JobAssigned, JobRecord, JobSpec, JobState, JobStateChanged, Metrics, RolloutRequest,
+    JobAssigned, JobSpec, JobState, JobStateChanged, Metrics, RolloutRequest,
     Trajectory, WeightsPublished, decode,
 )
 from opentinker.schemas import subjects as S
@@ -158,31 +158,24 @@ class JobRun:
         workers, which deduplication must not swallow."""
         return f"{request_id}@a{self.attempt}"
 
-    async def unplaced(self) -> bool:
-        """The job's record has no placement (the scheduler requeued it)."""
-        with contextlib.suppress(KeyNotFoundError, msgspec.MsgspecError):
-            entry = await (await self.bus.kv(S.KV_JOBS)).get(self.job_id)
-            return bool(entry.value) and decode(entry.value, JobRecord).placement is None
-        return False
-
-    async def not_runnable(self) -> str:
-        """Why this assignment must not run ('' if it may): the job is terminal, or the
-        scheduler has placed it again since (a stale attempt)."""
-        kv = await self.bus.kv(S.KV_JOBS)
+    async def not_runnable(self, requeued: bool = False) -> str:
+        """Why this assignment must not run ('' if it may): the job is terminal, the
+        scheduler has placed it again since (a stale attempt), or, with `requeued`, its
+        record has no placement (the scheduler requeued it). An unreadable or missing
+        record (a job run without a scheduler) does not stop it."""
         try:
-            entry = await kv.get(self.job_id)
-        except KeyNotFoundError:
-            return ""
-        if not entry.value:
-            return ""
-        try:
-            rec = decode(entry.value, JobRecord)
+            got = await self.bus.job_record(self.job_id)
         except msgspec.MsgspecError:
             return ""
+        if got is None:
+            return ""
+        rec = got[0]
         if rec.state.terminal:
             return f"already {rec.state.value}"
         if self.attempt and rec.attempt != self.attempt:
             return f"attempt {self.attempt} is stale (the job is at attempt {rec.attempt})"
+        if requeued and rec.placement is None:
+            return "requeued"
         return ""
 
     async def on_event(self, m: Msg) -> None:
@@ -194,8 +187,7 @@ class JobRun:
             log.info("job %s %s by %s: stopping", self.job_id, ev.state.value, ev.source or "?")
             self.cancelled.set()
         elif ev.source == "scheduler" and ev.state == JobState.QUEUED and self.attempt:
-            why = await self.not_runnable()
-            if why or await self.unplaced():
+            if await self.not_runnable(requeued=True):
                 log.info("job %s requeued by the scheduler (%s): stopping", self.job_id, ev.reason)
                 self.requeued.set()
 

@@ -61,7 +61,6 @@ from opentinker.schemas import (
     EnvResetRequest,
     EnvStepReply,
     EnvStepRequest,
-    JobRecord,
     RolloutRequest,
     Trajectory,
     WeightsPublished,
@@ -420,18 +419,12 @@ class RolloutWorker:
     # -- requests --
 
     async def _terminal(self, job_id: str) -> bool:
-        kv = await self.bus.kv(S.KV_JOBS)
         try:
-            entry = await kv.get(job_id)
-        except NotFoundError:
-            return False
-        if not entry.value:
-            return False
-        try:
-            return decode(entry.value, JobRecord).state.terminal
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            got = await self.bus.job_record(job_id)
+        except msgspec.MsgspecError as e:
             log.warning("job %s: unreadable JobRecord (%s); serving its requests", job_id, e)
             return False
+        return got is not None and got[0].state.terminal
 
     async def handle(self, msgs: list[Msg]) -> None:
         """Serve one fetched batch: check each request, then run the groups of each

@@ -34,7 +34,7 @@ import time
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from opentinker.schemas import (
     CancelJob, CancelReply, JobAssigned, JobRecord, JobState, JobStateChanged, SubmitJob,
@@ -113,12 +113,7 @@ class Scheduler:
 
     async def record(self, job_id: str) -> tuple[JobRecord, int] | None:
         """(record, KV revision), or None."""
-        kv = await self.bus.kv(S.KV_JOBS)
-        try:
-            entry = await kv.get(job_id)
-        except KeyNotFoundError:
-            return None
-        return (decode(entry.value, JobRecord), entry.revision) if entry.value else None
+        return await self.bus.job_record(job_id)
 
     async def put(self, rec: JobRecord, revision: int | None) -> int:
         """Write `rec` if the stored revision is still `revision` (None: a new key).
