@@ -248,29 +248,29 @@ class Scheduler:
         async with self.lock:
             live = await live_workers(self.bus, self.pool)
             recs = await self.records()
-            active = [(r, v) for r, v in recs if not r.state.terminal and r.placement is not None]
-            for rec, rev in active:
-                lost = lost_workers(rec, live)
+            for i, (rec, rev) in enumerate(recs):
+                lost = lost_workers(rec, live) if not rec.state.terminal else []
                 if lost:
-                    with contextlib.suppress(Conflict):
-                        await self.requeue(rec, rev, lost)
-            recs = await self.records()
+                    with contextlib.suppress(Conflict):  # changed meanwhile: next round
+                        recs[i] = await self.requeue(rec, rev, lost)
             active = [r for r, _ in recs if not r.state.terminal and r.placement is not None]
             queued = {r.job_id: (r, v) for r, v in recs if r.state == JobState.QUEUED and r.placement is None}
             for rec, p in plan([r for r, _ in queued.values()], active, live, self.quota_of, time.time()):
                 with contextlib.suppress(Conflict):
                     await self.place(rec, queued[rec.job_id][1], p)
 
-    async def requeue(self, rec: JobRecord, rev: int, lost: list[str]) -> None:
+    async def requeue(self, rec: JobRecord, rev: int, lost: list[str]) -> tuple[JobRecord, int]:
+        """Put a placed job back in the queue; returns the new record and revision."""
         why = f"worker {', '.join(lost)} left the pool; requeued from the last checkpoint"
         rec = with_state(rec, JobState.QUEUED, why, placement=None)
-        await self.put(rec, rev)
+        rev = await self.put(rec, rev)
         log.warning("job %s: %s", rec.job_id, why)
         await self.announce(rec)  # a surviving learner of the job stops on this
         with contextlib.suppress(NotFoundError):
             await self.bus.js.purge_stream("OT_ROLLOUT", subject=S.rollout_all(rec.job_id))
         for w in lost:
             await self.forget_worker(w)
+        return rec, rev
 
     async def forget_worker(self, worker: str) -> None:
         """Drop a lost worker's consumers and the work addressed to it."""
