@@ -32,7 +32,7 @@ from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError, spec_from_dict
 from opentinker.schemas.users import User
 from opentinker.services.core.pool import live_workers
-from opentinker.services.scheduler.placement import current_load
+from opentinker.services.scheduler.placement import current_load, holders
 from opentinker.services.scheduler.users import USER_RE, AuthError, UserError
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def make_app(sched: "Scheduler") -> FastAPI:
         load = current_load(active)
         placed: dict[str, list[str]] = {}
         for r in active:
-            for w in [r.placement.learner, *r.placement.rollout]:
+            for w in holders(r):
                 placed.setdefault(w, []).append(r.job_id)
         now = time.time()
         return [{**as_json(info), "placed_jobs": placed.get(w, []),
@@ -212,8 +212,8 @@ def make_app(sched: "Scheduler") -> FastAPI:
     @app.delete("/v1/keys/{key_id}", tags=["users"])
     async def revoke_key(key_id: KeyId, user: Current) -> dict[str, Any]:
         """Revoke a key (your own, or anyone's for an admin)."""
-        owner = next((k.user for k in await sched.users.keys() if k.key_id == key_id), None)
-        if owner is None or (user.role != "admin" and owner != user.name):
+        rec = await sched.users.key(key_id)
+        if rec is None or (user.role != "admin" and rec.user != user.name):
             raise problem(404, f"no key {key_id}", "key_id")
         rec = await sched.users.revoke(key_id)
         return {"key_id": rec.key_id, "revoked_s": rec.revoked_s}

@@ -118,9 +118,13 @@ class Users:
         await (await self.bus.kv(S.KV_KEYS)).put(rec.key_id, encode(rec))
         return rec, key
 
+    async def key(self, kid: str) -> ApiKey | None:
+        """The stored key with id `kid`, or None."""
+        return await self._get(S.KV_KEYS, kid, ApiKey) if re.fullmatch(r"[0-9a-f]{16}", kid) else None
+
     async def revoke(self, kid: str) -> ApiKey:
         """Mark key `kid` revoked. Raises UserError (404) if there is no such key."""
-        rec = await self._get(S.KV_KEYS, kid, ApiKey) if re.fullmatch(r"[0-9a-f]{16}", kid) else None
+        rec = await self.key(kid)
         if rec is None:
             raise UserError("key_id", f"no key {kid!r}", status=404)
         if not rec.revoked_s:
