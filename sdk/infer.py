@@ -202,17 +202,29 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     t0 = time.monotonic()
     placed = await client.submit(JobSpec(name="infer", model=model, env=env, engine=engine,
                                          env_args=dict(env_args or {})), job_id=run_id, kind="inference")
+    requests = [RolloutRequest(job_id=run_id, request_id=f"{run_id}-g{g}", step=0, group_index=g,
+                               group_seed=episode_seed(seed, g), policy_version=version, model=model,
+                               env=env, env_args=dict(env_args or {}), group_size=group_size,
+                               sampling=sampling, engine=engine, split=split)
+                for g in range(episodes // group_size)]
     try:
         workers, attempt = await _placement(placed, timeout_s)
-        return await _run(client, run_id, workers, env=env, model=model, adapter=adapter, job=job,
-                          env_args=env_args, episodes=episodes, group_size=group_size, split=split,
-                          seed=seed, sampling=sampling, engine=engine, out_dir=out_dir,
-                          timeout_s=timeout_s - (time.monotonic() - t0), on_episode=on_episode,
-                          version=version, attempt=attempt, t0=t0)
+        trajs = await _collect(client.bus, run_id, workers, requests, env,
+                               timeout_s - (time.monotonic() - t0), on_episode)
+        await client.bus.publish(S.job(run_id, "events"), JobStateChanged(
+            job_id=run_id, state=JobState.COMPLETED, reason=f"{len(trajs)} episodes", time_s=time.time(),
+            source="sdk", attempt=attempt))
     except BaseException as e:
         with contextlib.suppress(Exception):
             await placed.cancel(f"inference run failed: {type(e).__name__}: {e}"[:500])
         raise
+    summary = summarize(trajs)
+    summary.update(run_id=run_id, env=env, env_args=dict(env_args or {}), split=split, seed=seed,
+                   model=model, adapter=str(adapter) if adapter else None, job=job,
+                   policy_version=version, sampling=msgspec.to_builtins(sampling),
+                   wall_s=round(time.monotonic() - t0, 2))
+    out = write_results(out_dir, trajs, summary) if out_dir else None
+    return InferResult(run_id, trajs, summary, out)
 
 
 async def _placement(job, timeout_s: float) -> tuple[list[str], int]:
@@ -230,14 +242,14 @@ async def _placement(job, timeout_s: float) -> tuple[list[str], int]:
         await asyncio.sleep(0.2)
 
 
-async def _run(client: Client, run_id: str, workers: list[str], *, env, model, adapter, job, env_args,
-               episodes, group_size, split, seed, sampling, engine, out_dir, timeout_s, on_episode,
-               version, attempt, t0) -> InferResult:
-    bus = client.bus
+async def _collect(bus, run_id: str, workers: list[str], requests: list[RolloutRequest], env: str,
+                   timeout_s: float, on_episode) -> list[Trajectory]:
+    """Send `requests` to the placed workers in turn; return every episode, in order.
+    Raises InferError on a refused request or after `timeout_s`."""
+    episodes = sum(r.group_size for r in requests)
     got: dict[str, Trajectory] = {}
     done = asyncio.Event()
     refused: list[str] = []
-    want = episodes
 
     async def on_traj(m) -> None:
         t = decode(m.data, Trajectory)
@@ -246,7 +258,7 @@ async def _run(client: Client, run_id: str, workers: list[str], *, env, model, a
         got[t.episode_id] = t
         if on_episode is not None:
             on_episode(t)
-        if len(got) >= want:
+        if len(got) >= episodes:
             done.set()
 
     async def on_dead(m) -> None:
@@ -259,13 +271,9 @@ async def _run(client: Client, run_id: str, workers: list[str], *, env, model, a
     traj_sub = await bus.js.subscribe(S.job(run_id, "traj"), ordered_consumer=True, cb=on_traj)
     dlq_sub = await bus.nc.subscribe(S.dead_letter("rollout"), cb=on_dead)
     try:
-        for g in range(episodes // group_size):
-            rid = f"{run_id}-g{g}"
-            req = RolloutRequest(job_id=run_id, request_id=rid, step=0, group_index=g,
-                                 group_seed=episode_seed(seed, g), policy_version=version, model=model,
-                                 env=env, env_args=dict(env_args or {}), group_size=group_size,
-                                 sampling=sampling, engine=engine, split=split)
-            await bus.publish(S.rollout(run_id, workers[g % len(workers)]), req, msg_id=rid)
+        for req in requests:
+            await bus.publish(S.rollout(run_id, workers[req.group_index % len(workers)]), req,
+                              msg_id=req.request_id)
         try:
             await asyncio.wait_for(done.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -276,14 +284,4 @@ async def _run(client: Client, run_id: str, workers: list[str], *, env, model, a
     finally:
         await traj_sub.unsubscribe()
         await dlq_sub.unsubscribe()
-    await bus.publish(S.job(run_id, "events"), JobStateChanged(
-        job_id=run_id, state=JobState.COMPLETED, reason=f"{len(got)} episodes", time_s=time.time(),
-        source="sdk", attempt=attempt))
-    trajs = sorted(got.values(), key=lambda t: (t.group_index, t.episode_id))
-    summary = summarize(trajs)
-    summary.update(run_id=run_id, env=env, env_args=dict(env_args or {}), split=split, seed=seed,
-                   model=model, adapter=str(adapter) if adapter else None, job=job,
-                   policy_version=version, sampling=msgspec.to_builtins(sampling),
-                   wall_s=round(time.monotonic() - t0, 2))
-    out = write_results(out_dir, trajs, summary) if out_dir else None
-    return InferResult(run_id, trajs, summary, out)
+    return sorted(got.values(), key=lambda t: (t.group_index, t.episode_id))
