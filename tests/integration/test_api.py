@@ -135,7 +135,8 @@ async def test_rest_api_fuzzed_from_its_openapi_spec(services, tmp_path):
     cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run",
            f"{url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "25",
            "--generation-deterministic", "--report", "junit", "--report-dir", str(tmp_path / "report")]
-    out = await asyncio.to_thread(subprocess.run, cmd, env=env, capture_output=True, text=True, timeout=540)
+    out = await asyncio.to_thread(subprocess.run, cmd, env=env, capture_output=True, text=True, timeout=540,
+                                  cwd=tmp_path)  # its cache stays out of the repo
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:] + services.logs()
     assert "Tested: 14" in out.stdout and "No issues found" in out.stdout, out.stdout
     # the admin key reached the handlers: the fuzzer's users and jobs exist
