@@ -369,6 +369,23 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_nats_keys(args: argparse.Namespace) -> int:
+    """Make the NATS keys of a deployment (services/core/natsauth.py) in `dir`, once:
+    the services' nkey seed, the auth callout issuer's seed (both 0600, secrets) and
+    `auth.conf`, the server config block with their public keys (include it)."""
+    from opentinker.services.core.natsauth import ensure_seed_file, server_auth_config
+
+    out = Path(args.dir)
+    svc = ensure_seed_file(out / "service.nk", "user")
+    issuer = ensure_seed_file(out / "callout-issuer.nk", "account")
+    (out / "auth.conf").write_text(server_auth_config(svc, issuer))
+    print(f"{out / 'service.nk'}: the services' nkey seed (NATS_NKEY), public key {svc}")
+    print(f"{out / 'callout-issuer.nk'}: the scheduler's callout issuer seed "
+          f"(OPENTINKER_NATS_CALLOUT_ISSUER_FILE), public key {issuer}")
+    print(f"{out / 'auth.conf'}: include it in the nats-server config")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opentinker", description="Agentic RL for LLMs, as a service.")
     p.add_argument("--nats-url", help="NATS server (default: $NATS_URL, a running `opentinker up`, "
@@ -440,6 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--src", required=True, help="folder with train.jsonl and test.jsonl")
     s.add_argument("--out", help="output folder (default <home>/data/gsm8k)")
     s.set_defaults(fn=cmd_data)
+
+    s = sub.add_parser("nats-keys", help="make a deployment's NATS keys and auth config (compose/)")
+    s.add_argument("dir", help="where to write service.nk, callout-issuer.nk and auth.conf")
+    s.set_defaults(fn=cmd_nats_keys)
 
     s = sub.add_parser("models", help="model utilities")
     s.add_argument("action", choices=["prepare"])

@@ -8,20 +8,33 @@
 
 `SyncClient` wraps the same calls for notebooks and scripts. Imports schemas and the NATS
 client only (never torch or vLLM).
+
+Two identities (services/core/natsauth.py):
+- a **user** of a shared service (`api_url=` or $OPENTINKER_API_URL names its REST
+  API) connects to NATS with the API key as its token and reaches only its own jobs'
+  subjects; records and history come from the REST API, live events and metrics from
+  NATS subscriptions;
+- a **service** identity ($NATS_NKEY or $NATS_CREDS: operators, tests, and the owner
+  of the local `opentinker up` stack, with its service nkey) or a bare bus with no
+  REST API reads records and history from JetStream directly.
+The same code follows a job either way: subscribe live, read the history, drop what
+both delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
-from nats.js import api
+import msgspec
+import nats.errors
 
 from opentinker.schemas import (
     CancelJob, CancelReply, JobRecord, JobSpec, JobState, JobStateChanged, Metrics, SubmitJob,
-    SubmitReply, decode,
+    SubmitReply, decode, encode,
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import SpecError, spec_from_dict
@@ -49,6 +62,80 @@ def default_api_key() -> str:
     return p.read_text().strip() if p.is_file() else ""
 
 
+_HISTORY_STREAMS = {"events": "OT_EVENTS", "metrics": "OT_METRICS"}
+
+
+class Reader:
+    """Where a client reads job records and history from."""
+
+    async def record(self, job_id: str) -> JobRecord:
+        raise NotImplementedError
+
+    async def jobs(self) -> list[JobRecord]:
+        raise NotImplementedError
+
+    async def history(self, job_id: str, family: str, kind: type) -> list:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+class BusReader(Reader):
+    """JetStream directly (a service identity, or a bus without auth)."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+
+    async def record(self, job_id: str) -> JobRecord:
+        got = await self.bus.job_record(job_id)
+        if got is None:
+            raise KeyError(f"no job {job_id}")
+        return got[0]
+
+    async def jobs(self) -> list[JobRecord]:
+        return [decode(value, JobRecord) for value, _ in (await self.bus.kv_values(S.KV_JOBS)).values()]
+
+    async def history(self, job_id: str, family: str, kind: type) -> list:
+        return await self.bus.read_subject(_HISTORY_STREAMS[family], S.job(job_id, family), kind)
+
+
+class RestReader(Reader):
+    """The scheduler's REST API with an API key (a user: sees only their own jobs).
+    Connection failures are retried (httpx transport retries), e.g. across a scheduler
+    restart."""
+
+    def __init__(self, api_url: str, api_key: str):
+        import httpx
+
+        self.http = httpx.AsyncClient(base_url=api_url.rstrip("/") + "/v1", timeout=30,
+                                      headers={"Authorization": f"Bearer {api_key}"},
+                                      transport=httpx.AsyncHTTPTransport(retries=5))
+
+    async def _get(self, path: str, kind: Any) -> Any:
+        r = await self.http.get(path)
+        if r.status_code in (401, 403):
+            raise AuthenticationError(r.json().get("detail", {}).get("error", r.text))
+        if r.status_code == 404:
+            raise KeyError(r.json().get("detail", {}).get("error", path))
+        r.raise_for_status()
+        return msgspec.convert(r.json(), kind)
+
+    async def record(self, job_id: str) -> JobRecord:
+        return await self._get(f"/jobs/{S.check_job_id(job_id)}", JobRecord)
+
+    async def jobs(self) -> list[JobRecord]:
+        return await self._get("/jobs", list[JobRecord])
+
+    async def history(self, job_id: str, family: str, kind: type) -> list:
+        if family not in _HISTORY_STREAMS:
+            raise ValueError(f"no history of {family!r}")
+        return await self._get(f"/jobs/{S.check_job_id(job_id)}/{family}", list[kind])
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
 class JobFailed(RuntimeError):
     """`Job.wait` saw the job end FAILED or CANCELLED. `.record` holds the JobRecord."""
 
@@ -68,73 +155,96 @@ class Job:
         return f"Job({self.id!r})"
 
     async def record(self) -> JobRecord:
-        """The scheduler's record. Raises KeyError if the job does not exist."""
-        got = await self.client.bus.job_record(self.id)
-        if got is None:
-            raise KeyError(f"no job {self.id}")
-        return got[0]
+        """The scheduler's record. Raises KeyError if the job does not exist (or is not
+        yours)."""
+        return await self.client.reader.record(self.id)
 
-    async def _subscribe(self, family: str, from_start: bool) -> tuple[Any, asyncio.Queue]:
-        """An ordered JetStream consumer on the job's `family` subject feeding a queue."""
+    async def _follow(self, family: str, kind: type, from_start: bool) -> AsyncIterator:
+        """The job's `family` messages: its history (when `from_start`), then live ones,
+        each once. Subscribes before reading the history, so nothing falls between."""
         q: asyncio.Queue = asyncio.Queue()
-
-        async def cb(m) -> None:
-            q.put_nowait(m)
-
-        policy = api.DeliverPolicy.ALL if from_start else api.DeliverPolicy.NEW
-        sub = await self.client.bus.js.subscribe(S.job(self.id, family), ordered_consumer=True,
-                                                 deliver_policy=policy, cb=cb)
-        return sub, q
+        nc = await self.client._live_nc(self.id)
+        sub = await nc.subscribe(S.job(self.id, family), cb=q.put)
+        try:
+            await nc.flush()
+            seen: set[bytes] = set()
+            if from_start:
+                for m in await self.client.reader.history(self.id, family, kind):
+                    seen.add(encode(m))
+                    yield m
+            while True:
+                raw = (await q.get()).data
+                if raw in seen:
+                    continue
+                try:
+                    yield decode(raw, kind)
+                except msgspec.MsgspecError:
+                    continue
+        finally:
+            with contextlib.suppress(nats.errors.Error):  # the connection may be closed
+                await sub.unsubscribe()
 
     async def events(self, from_start: bool = True) -> AsyncIterator[JobStateChanged]:
         """Every state change of the job, ending after a terminal one."""
-        sub, q = await self._subscribe("events", from_start)
-        try:
-            while True:
-                ev = decode((await q.get()).data, JobStateChanged)
-                yield ev
-                if ev.state.terminal:
-                    return
-        finally:
-            await sub.unsubscribe()
+        async for ev in self._follow("events", JobStateChanged, from_start):
+            yield ev
+            if ev.state.terminal:
+                return
 
     async def metrics(self, from_start: bool = True, until_done: bool = True) -> AsyncIterator[Metrics]:
         """Metrics as the learner publishes them (from step 0 by default). With
         `until_done`, the iterator ends once the job is terminal and what was published
         before the end has arrived."""
-        sub, q = await self._subscribe("metrics", from_start)
+        stream = self._follow("metrics", Metrics, from_start).__aiter__()
         done = asyncio.ensure_future(self._terminal()) if until_done else None
+        get = None
         try:
             while done is None or not done.done():
-                get = asyncio.ensure_future(q.get())
-                await asyncio.wait({get} | ({done} if done else set()),
-                                   return_when=asyncio.FIRST_COMPLETED)
+                get = asyncio.ensure_future(stream.__anext__())
+                await asyncio.wait({get} | ({done} if done else set()), return_when=asyncio.FIRST_COMPLETED)
                 if get.done():
-                    yield decode(get.result().data, Metrics)
-                else:
-                    get.cancel()
+                    yield get.result()
+                    get = None
             while True:  # the job is over: drain, then stop
+                if get is None:
+                    get = asyncio.ensure_future(stream.__anext__())
                 try:
-                    m = await asyncio.wait_for(q.get(), 1.0)
+                    m = await asyncio.wait_for(asyncio.shield(get), 1.0)
                 except asyncio.TimeoutError:
                     return
-                yield decode(m.data, Metrics)
+                get = None
+                yield m
         finally:
             if done:
                 done.cancel()
-            await sub.unsubscribe()
+            if get is not None:
+                get.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await get
+            await stream.aclose()
 
-    async def _terminal(self) -> JobRecord:
-        async for ev in self.events():
-            if ev.state.terminal:
-                break
-        # the scheduler folds the final event into the record; read it once it has
-        for _ in range(50):
-            rec = await self.record()
-            if rec.state.terminal:
-                return rec
-            await asyncio.sleep(0.1)
-        return rec
+    async def _terminal(self, poll_s: float = 2.0) -> JobRecord:
+        """The record once the job is terminal. Follows the live events, and reads the
+        record every `poll_s` as well (a live event can be missed across a reconnect)."""
+        events = self.events(from_start=False).__aiter__()
+        nxt = None
+        try:
+            while True:
+                rec = await self.record()
+                if rec.state.terminal:
+                    return rec
+                if nxt is not None and nxt.done() and isinstance(nxt.exception(), StopAsyncIteration):
+                    await asyncio.sleep(0.1)  # a terminal event came: the record follows soon
+                    continue
+                if nxt is None or nxt.done():
+                    nxt = asyncio.ensure_future(events.__anext__())
+                await asyncio.wait({nxt}, timeout=poll_s)
+        finally:
+            if nxt is not None:
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await nxt
+            await events.aclose()
 
     async def wait(self, timeout_s: float | None = None, raise_on_failure: bool = True) -> JobRecord:
         """Block until the job is completed, failed or cancelled; return its record.
@@ -154,19 +264,67 @@ class Job:
 
 
 class Client:
-    """An OpenTinker client over one NATS connection."""
+    """An OpenTinker client over one NATS connection (and the REST API, as a user)."""
 
-    def __init__(self, bus: Bus, api_key: str = ""):
+    def __init__(self, bus: Bus, api_key: str = "", reader: Reader | None = None,
+                 connect_live: Callable[[], Awaitable[Bus]] | None = None):
         self.bus = bus
         self.api_key = api_key
+        self.reader = reader or BusReader(bus)
+        self._connect_live = connect_live
+        self._live: dict[str, Bus] = {}
 
     @classmethod
-    async def connect(cls, nats_url: str | None = None, api_key: str | None = None) -> Client:
+    async def connect(cls, nats_url: str | None = None, api_key: str | None = None,
+                      api_url: str | None = None) -> Client:
         """Connect to `nats_url` (default $NATS_URL, then nats://127.0.0.1:4222) with
-        `api_key` (default: `default_api_key()`)."""
-        return cls(await Bus.connect(nats_url, "sdk"), default_api_key() if api_key is None else api_key)
+        `api_key` (default: `default_api_key()`). The identity (module docstring): a
+        service with $NATS_NKEY/$NATS_CREDS or on this machine's own stack (`opentinker
+        up`); else a user when `api_url` (default $OPENTINKER_API_URL) names the REST
+        API; else a bare bus. Raises nats.errors.Error ('Authorization Violation') when
+        the server refuses the key, AuthenticationError with no key."""
+        import os
+
+        from opentinker.services.core.natsauth import user_inbox_prefix
+        from opentinker.services.scheduler.users import key_id
+
+        from opentinker.services.core.bus import service_credentials
+
+        key = default_api_key() if api_key is None else api_key
+        url = nats_url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
+        creds = service_credentials(url)
+        if creds:
+            return cls(await Bus.connect(url, "sdk", **creds), key)
+        api_url = api_url if api_url is not None else os.environ.get("OPENTINKER_API_URL", "")
+        if not api_url:  # a bus without the REST API: JetStream directly
+            return cls(await Bus.connect(url, "sdk"), key)
+        if not key:
+            raise AuthenticationError("no API key: pass api_key=, set OPENTINKER_API_KEY or OPENTINKER_API_KEY_FILE")
+
+        def user_bus() -> Awaitable[Bus]:
+            return Bus.connect(url, "sdk", token=key, inbox_prefix=user_inbox_prefix(key_id(key)))
+
+        return cls(await user_bus(), key, RestReader(api_url, key), user_bus)
+
+    @property
+    def is_user(self) -> bool:
+        """Connected as an API-key user (only its own jobs' subjects, no JetStream)."""
+        return self._connect_live is not None
+
+    async def _live_nc(self, job_id: str):
+        """A NATS connection that may subscribe to `job_id`'s subjects. A user's grant is
+        made when a connection opens, so a job submitted after that gets its own."""
+        if self._connect_live is None:
+            return self.bus.nc
+        if job_id not in self._live:
+            self._live[job_id] = await self._connect_live()
+        return self._live[job_id].nc
 
     async def close(self) -> None:
+        for bus in self._live.values():
+            await bus.close()
+        self._live.clear()
+        await self.reader.close()
         await self.bus.close()
 
     async def __aenter__(self) -> Client:
@@ -206,9 +364,9 @@ class Client:
         return await infer(self, env=env, **kw)
 
     async def jobs(self) -> list[JobRecord]:
-        """Every job record, newest first."""
-        recs = [decode(value, JobRecord) for value, _ in (await self.bus.kv_values(S.KV_JOBS)).values()]
-        return sorted(recs, key=lambda r: r.created_s, reverse=True)
+        """Every job record you may see (all of them for an admin or a service), newest
+        first."""
+        return sorted(await self.reader.jobs(), key=lambda r: r.created_s, reverse=True)
 
 
 class SyncClient:

@@ -185,6 +185,10 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     rollout service refused (its dead-letter reason), or a run not done within
     `timeout_s`; SpecError-like ValueError for bad arguments.
     """
+    if client.is_user:
+        raise InferError("infer publishes weights and reads trajectories on JetStream, which an API-key "
+                         "user may not: run it with a service identity ($NATS_NKEY, or on the machine "
+                         "of the local `opentinker up` stack)")
     if adapter and job:
         raise ValueError("adapter and job: pass one, not both")
     if episodes < 1 or group_size < 1 or episodes % group_size:

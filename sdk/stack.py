@@ -1,10 +1,13 @@
 """The embedded stack behind `opentinker up`: a local nats-server with JetStream on a
 data directory (unless NATS_URL names one) and every service as its own process.
 
-Loopback only: nats-server and the scheduler's REST API listen on 127.0.0.1. The
-first `up` makes an admin API key in `<home>/admin.key` (mode 0600; the CLI and SDK
-read it from there) unless OPENTINKER_ADMIN_KEY(_FILE) names one. Every child is
-stopped by its own PID.
+Loopback only: nats-server and the scheduler's REST API listen on 127.0.0.1, and both
+authenticate. The first `up` makes an admin API key in `<home>/admin.key` unless
+OPENTINKER_ADMIN_KEY(_FILE) names one, and the NATS keys in `<home>/nats/auth/` (all mode
+0600): the services connect with the service nkey, the scheduler answers the auth callout
+for API-key users (services/core/natsauth.py). The CLI and SDK on this machine use the
+stack's service nkey (its owner runs the stack); other users connect with an API key.
+Every child is stopped by its own PID.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self.nats_url:
             port = DEFAULT_PORT if _port_free(DEFAULT_PORT) else free_port()
-            self.server = NatsServer(self.home / "nats", port=port,
+            self.server = NatsServer(self.home / "nats", port=port, auth=True,
                                      log_file=self.log_dir / "nats-server.log").start()
             self.nats_url = self.server.url
         if "scheduler" in self.services and not any(o.startswith("api_port=") for o in self.overrides.get("scheduler", [])):
@@ -56,6 +59,7 @@ class Stack:
         self.check()
         (self.home / "stack.json").write_text(json.dumps(
             {"nats_url": self.nats_url, "api_url": self.api_url,
+             "service_nkey": str(self.server.service_seed_file) if self.server else "",
              "pids": {n: p.pid for n, p in self.procs.items()}}))
         return self
 
@@ -76,6 +80,10 @@ class Stack:
                    PYTHONUNBUFFERED="1")
         if name == "scheduler" and not (env.get("OPENTINKER_ADMIN_KEY") or env.get("OPENTINKER_ADMIN_KEY_FILE")):
             env["OPENTINKER_ADMIN_KEY_FILE"] = str(self.admin_key_file())
+        if self.server is not None and self.server.auth:
+            env["NATS_NKEY"] = str(self.server.service_seed_file)
+            if name == "scheduler":
+                env["OPENTINKER_NATS_CALLOUT_ISSUER_FILE"] = str(self.server.issuer_seed_file)
         log = open(self.log_dir / f"{name}.log", "ab")
         cmd = [sys.executable, "-m", f"opentinker.services.{name}", *self.overrides.get(name, [])]
         self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -52,6 +52,29 @@ def child_traceparent(parent: str | None) -> str:
     return new_traceparent()
 
 
+def service_credentials(url: str) -> dict[str, str]:
+    """nats.connect arguments of the service identity (natsauth.py): `$NATS_NKEY` (an
+    nkey seed file), `$NATS_CREDS` (a creds file), or, when `url` is the NATS of the
+    local `opentinker up` stack, that stack's service nkey (named in
+    `<home>/stack.json`; only its owner can read it). {} when there is none."""
+    import json
+    from pathlib import Path
+
+    from opentinker.services.core.config import default_home
+
+    if os.environ.get("NATS_NKEY"):
+        return {"nkeys_seed": os.environ["NATS_NKEY"]}
+    if os.environ.get("NATS_CREDS"):
+        return {"user_credentials": os.environ["NATS_CREDS"]}
+    f = Path(default_home()) / "stack.json"
+    if f.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            stack = json.loads(f.read_text())
+            if stack.get("nats_url") == url and stack.get("service_nkey") and Path(stack["service_nkey"]).is_file():
+                return {"nkeys_seed": stack["service_nkey"]}
+    return {}
+
+
 class Bus:
     """One NATS connection plus its JetStream context, KV buckets and object stores."""
 
@@ -66,14 +89,13 @@ class Bus:
     async def connect(cls, url: str | None = None, service: str = "client", **kw: Any) -> Bus:
         """Connect to `url` (default `$NATS_URL`, then nats://127.0.0.1:4222).
 
-        Credentials come from the URL (nats://user:pass@host) or `$NATS_CREDS`
-        (a creds file path), never from a command line. Raises nats.errors.NoServersError
-        when no server answers.
+        Credentials, never from a command line: `token=` (a user's API key), else
+        `service_credentials(url)`, else the URL's (nats://user:pass@host).
+        Raises nats.errors.NoServersError when no server answers.
         """
         url = url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
-        creds = os.environ.get("NATS_CREDS")
-        if creds:
-            kw.setdefault("user_credentials", creds)
+        if not {"token", "nkeys_seed", "user_credentials"} & kw.keys():
+            kw.update(service_credentials(url))
         nc = await nats.connect(
             url, name=f"opentinker-{service}", max_reconnect_attempts=-1,
             connect_timeout=5, allow_reconnect=True, **kw,

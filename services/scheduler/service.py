@@ -31,6 +31,7 @@ import contextlib
 import logging
 import secrets
 import time
+from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
@@ -125,6 +126,29 @@ class Scheduler:
             return await kv.update(rec.job_id, encode(rec), last=revision)
         except KeyWrongLastSequenceError:
             raise Conflict(rec.job_id) from None
+
+    async def nats_grant(self, token: str) -> tuple[str, list[str] | None, str]:
+        """The auth callout's grant for a NATS connection presenting API key `token`:
+        (user name, the jobs it may reach or None for an admin, key id). The jobs are the
+        user's unfinished ones and those finished in the last GRANT_FINISHED_S, in any
+        pool. Raises PermissionError with the reason (a wrong, revoked or missing key)."""
+        from opentinker.services.core.natsauth import GRANT_FINISHED_S
+        from opentinker.services.scheduler.users import key_id
+
+        try:
+            user = await self.users.authenticate(token)
+        except AuthError as e:
+            raise PermissionError(e.reason) from None
+        if user.role == "admin":
+            return user.name, None, key_id(token)
+        now = time.time()
+        jobs = []
+        for value, _ in (await self.bus.kv_values(S.KV_JOBS)).values():
+            with contextlib.suppress(msgspec.MsgspecError):
+                rec = decode(value, JobRecord)
+                if rec.user == user.name and (not rec.state.terminal or now - rec.updated_s < GRANT_FINISHED_S):
+                    jobs.append(rec.job_id)
+        return user.name, jobs, key_id(token)
 
     async def records(self) -> list[tuple[JobRecord, int]]:
         """Every record of this scheduler's pool."""
@@ -311,6 +335,12 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     await sched.users.bootstrap_admin()
     await bus.nc.subscribe(S.SUBMIT, queue=SERVICE, cb=sched.on_submit)
     await bus.serve(S.CANCEL, CancelJob, sched.on_cancel, queue=SERVICE)
+    if settings.nats_callout_issuer_file:
+        from opentinker.services.core.natsauth import AuthCallout
+
+        seed = Path(settings.nats_callout_issuer_file).read_bytes().strip()
+        await AuthCallout(bus.nc, seed, sched.nats_grant).start()
+        log.info("answering the NATS auth callout: users connect with their API key")
     events = await bus.pull("OT_EVENTS", f"scheduler-events-{settings.pool}", "ot.job.*.events")
     placing = asyncio.create_task(sched.run_placement(stop))
     server = None
