@@ -37,7 +37,8 @@ class SubmitJob(Message, frozen=True, kw_only=True):
     """Ask the scheduler to run a job. `job_id` is optional (the scheduler makes one).
 
     `kind` "train" places a learner and `spec.rollout_workers` rollout workers;
-    "inference" places rollout workers only (the client sends the requests).
+    "inference" places rollout workers only: the client sends rollout requests, or
+    calls the OpenAI-compatible endpoint the placed worker serves (`JobRecord.endpoint`).
     `api_key` authenticates the user (over REST the key travels in a header instead).
     """
 
@@ -45,6 +46,8 @@ class SubmitJob(Message, frozen=True, kw_only=True):
     job_id: str = ""
     kind: JobKind = "train"
     api_key: str = ""
+    # inference: serve this (your own) train job's latest policy instead of the base model
+    policy_of: str = ""
 
 
 class SubmitReply(Message, frozen=True, kw_only=True):
@@ -54,6 +57,9 @@ class SubmitReply(Message, frozen=True, kw_only=True):
     job_id: str = ""
     error: str = ""
     field: str = ""
+    # inference: the bearer token of the job's OpenAI-compatible endpoint (only here;
+    # the record keeps its SHA-256)
+    endpoint_token: str = ""
 
 
 class CancelJob(Message, frozen=True, kw_only=True):
@@ -106,3 +112,7 @@ class JobRecord(Message, frozen=True, kw_only=True):
     pool: str = "default"
     attempt: int = 0          # bumped each time the job is (re)placed
     placement: Placement | None = None  # the current attempt's workers; None while queued
+    # inference: the OpenAI-compatible base URL on the placed rollout worker ("" until
+    # placed), and the SHA-256 (hex) of its bearer token
+    endpoint: str = ""
+    endpoint_token_sha256: str = ""

@@ -37,6 +37,7 @@ class WorkerInfo(Message, frozen=True, kw_only=True):
     jobs: list[str] = msgspec.field(default_factory=list)
     host: str = ""
     pid: int = 0
+    serve_url: str = ""     # a rollout worker's OpenAI-compatible server (inference jobs)
     started_s: float = 0.0  # unix time, seconds
     time_s: float = 0.0     # unix time of this heartbeat, seconds
 

@@ -321,6 +321,22 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0 if reply.ok else 1
 
 
+def cmd_endpoint(args: argparse.Namespace) -> int:
+    """Submit an inference job and print its OpenAI-compatible URL and bearer token."""
+    from opentinker.sdk.client import SyncClient
+
+    c = SyncClient(_nats_url(args))
+    try:
+        ep = c.submit_inference_job(model=args.model, policy_of=args.job or "", engine=args.engine)
+    finally:
+        c.close()
+    print(f"job      {ep.id}  (opentinker cancel {ep.id} to stop serving)")
+    print(f"base_url {ep.url}")
+    print(f"model    {ep.model}")
+    print(f"api_key  {ep.token}  (shown once)")
+    return 0
+
+
 def cmd_query(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -432,6 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("cancel", help="cancel a job")
     s.add_argument("job_id")
     s.set_defaults(fn=cmd_cancel)
+
+    s = sub.add_parser("endpoint", help="serve a model, or a job's policy, as an OpenAI-compatible "
+                                        "inference job on a rollout worker")
+    s.add_argument("--model", default="smollm2-135m-instruct")
+    s.add_argument("--job", help="serve this train job's newest policy")
+    s.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
+    s.set_defaults(fn=cmd_endpoint)
 
     s = sub.add_parser("query", help="DuckDB SQL over the trajectory log")
     s.add_argument("sql")

@@ -263,6 +263,28 @@ class Job:
             S.CANCEL, CancelJob(job_id=self.id, reason=reason, api_key=self.client.api_key), CancelReply)
 
 
+def _spec(spec: JobSpec | dict[str, Any]) -> JobSpec:
+    return spec_from_dict(spec) if isinstance(spec, dict) else spec
+
+
+class InferenceEndpoint:
+    """A placed inference job's OpenAI-compatible endpoint:
+    `openai.OpenAI(base_url=ep.url, api_key=ep.token)`, model `ep.model`."""
+
+    def __init__(self, job: Job, url: str, token: str, model: str):
+        self.job = job
+        self.id = job.id
+        self.url = url
+        self.token = token
+        self.model = model
+
+    def __repr__(self) -> str:
+        return f"InferenceEndpoint({self.id!r}, url={self.url!r})"
+
+    async def cancel(self, reason: str = "done serving") -> CancelReply:
+        return await self.job.cancel(reason)
+
+
 class Client:
     """An OpenTinker client over one NATS connection (and the REST API, as a user)."""
 
@@ -336,21 +358,50 @@ class Client:
     async def submit(self, spec: JobSpec | dict[str, Any], job_id: str = "",
                      timeout_s: float = 10.0, kind: str = "train") -> Job:
         """Submit a job. `spec` is a JobSpec or plain data (a parsed TOML file). `kind`
-        "inference" asks for rollout workers only (see `infer`).
+        "inference" asks for rollout workers only (see `infer`, `submit_inference_job`).
 
         Raises SpecError naming the field when the spec (locally or at the scheduler) is
         invalid, AuthenticationError when the API key is refused,
         nats.errors.NoRespondersError when no scheduler runs.
         """
-        if isinstance(spec, dict):
-            spec = spec_from_dict(spec)
-        reply = await self.bus.request(S.SUBMIT, SubmitJob(spec=spec, job_id=job_id, kind=kind, api_key=self.api_key),
-                                       SubmitReply, timeout_s=timeout_s)
+        return (await self._submit(SubmitJob(spec=_spec(spec), job_id=job_id, kind=kind), timeout_s))[0]
+
+    async def _submit(self, cmd: SubmitJob, timeout_s: float) -> tuple[Job, SubmitReply]:
+        cmd = msgspec.structs.replace(cmd, api_key=self.api_key)
+        reply = await self.bus.request(S.SUBMIT, cmd, SubmitReply, timeout_s=timeout_s)
         if not reply.ok and reply.field == "api_key":
             raise AuthenticationError(reply.error)
         if not reply.ok:
             raise SpecError(reply.field or "spec", reply.error)
-        return Job(self, reply.job_id)
+        return Job(self, reply.job_id), reply
+
+    async def submit_inference_job(self, model: str = "smollm2-135m-instruct", policy_of: str = "",
+                                   engine: str = "auto", job_id: str = "",
+                                   timeout_s: float = 300.0) -> InferenceEndpoint:
+        """Run `model` (or, with `policy_of`, that train job's newest policy) as an
+        inference job: the scheduler places it on a rollout worker, which serves an
+        OpenAI-compatible API for it. Returns once placed, with the base URL and bearer
+        token for any OpenAI client; `cancel()` the job to stop serving.
+
+        Raises SpecError naming the field (e.g. `policy_of`: no such job, or no weights
+        yet), AuthenticationError, asyncio.TimeoutError when no rollout worker serves it
+        within `timeout_s`.
+        """
+        spec = JobSpec(name="serve", model=model, engine=engine)
+        job, reply = await self._submit(SubmitJob(spec=spec, job_id=job_id, kind="inference",
+                                                  policy_of=policy_of), 10.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            rec = await job.record()
+            if rec.state.terminal:
+                raise JobFailed(rec)
+            if rec.endpoint:
+                return InferenceEndpoint(job, rec.endpoint, reply.endpoint_token, rec.spec.model)
+            if loop.time() > deadline:
+                await job.cancel("no rollout worker served it in time")
+                raise asyncio.TimeoutError(f"inference job {job.id} not served within {timeout_s}s")
+            await asyncio.sleep(0.3)
 
     def job(self, job_id: str) -> Job:
         """Attach to an existing job by id."""
@@ -390,6 +441,10 @@ class SyncClient:
 
     def jobs(self) -> list[JobRecord]:
         return self._run(self._client.jobs())
+
+    def submit_inference_job(self, **kw: Any) -> InferenceEndpoint:
+        """Blocking `Client.submit_inference_job` (cancel with `.job` via `job(id)`)."""
+        return self._run(self._client.submit_inference_job(**kw))
 
     def infer(self, *, env: str, **kw: Any):
         """Blocking `Client.infer`."""

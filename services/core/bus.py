@@ -158,22 +158,41 @@ class Bus:
         return (decode(entry.value, JobRecord), entry.revision) if entry.value else None
 
     async def kv_values(self, bucket: str, prefix: str = "") -> dict[str, tuple[bytes, int]]:
-        """Every live key of `bucket` (starting with `prefix`) -> (value, revision)."""
-        kv = await self.kv(bucket)
+        """Every live key of `bucket` (starting with `prefix`) -> (value, revision).
+
+        One ephemeral pull consumer over the bucket's stream delivering the last
+        message per key, read until the count it started with. (nats-py's `kv.keys()`
+        can end before the first key arrives under load, which once listed no workers
+        at all and made the scheduler requeue healthy jobs.)"""
+        await self.kv(bucket)
+        stream, base = f"KV_{bucket}", f"$KV.{bucket}."
+        sub = await self.js.pull_subscribe(
+            f"{base}{prefix}>" if prefix else f"{base}>", stream=stream,
+            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+                                      ack_policy=api.AckPolicy.NONE, inactive_threshold=10.0,
+                                      mem_storage=True))
+        out: dict[str, tuple[bytes, int]] = {}
+        info = await sub.consumer_info()
         try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return {}
-        out = {}
-        for k in keys:
-            if not k.startswith(prefix):
-                continue
-            try:
-                e = await kv.get(k)
-            except nats.js.errors.KeyNotFoundError:
-                continue  # deleted or expired since the listing
-            if e.value:
-                out[k] = (e.value, e.revision)
+            left = info.num_pending
+            while left > 0:
+                try:
+                    msgs = await sub.fetch(min(left, 256), timeout=5)
+                except nats.errors.TimeoutError:
+                    break  # entries that expired (or were purged) since the count
+                for m in msgs:
+                    left -= 1
+                    key = m.subject[len(base):]
+                    if (m.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not m.data:
+                        out.pop(key, None)
+                    else:
+                        out[key] = (m.data, m.metadata.sequence.stream)
+                    if m.metadata.num_pending == 0:
+                        left = 0
+        finally:
+            with contextlib.suppress(nats.errors.Error, NotFoundError):
+                await sub.unsubscribe()
+                await self.js.delete_consumer(stream, info.name)
         return out
 
     async def objects(self, bucket: str):

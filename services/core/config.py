@@ -29,6 +29,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_id: str = ""
     pool: str = "default"         # the worker pool a scheduler places on and a worker joins
     rollout_slots: int = 4        # jobs one rollout worker serves at once (one adapter each)
+    # vLLM multi-LoRA: adapters up to this rank are applied by vLLM per request, one
+    # loaded per job slot (0: merge every adapter into the weights instead)
+    lora_max_rank: int = 64
+    # a rollout worker's OpenAI-compatible endpoint for inference jobs (-1: none, 0: a
+    # free port); `serve_url` is what it advertises (default http://<serve_host>:<port>)
+    serve_host: str = "127.0.0.1"
+    serve_port: int = 0
+    serve_url: str = ""
     max_jobs_per_user: int = 4    # scheduler quota: a user's jobs placed at once
     max_workers_per_user: int = 8  # scheduler quota: workers a user's placed jobs hold
     api_host: str = "127.0.0.1"   # the scheduler's REST API and dashboard

@@ -51,11 +51,12 @@ class Heartbeat:
     """Keep one worker's entry in `ot_workers` fresh until `stop()`."""
 
     def __init__(self, bus: Bus, kind: WorkerKind, worker_id: str, pool: str,
-                 capacity: WorkerCapacity, jobs: Callable[[], list[str]]):
+                 capacity: WorkerCapacity, jobs: Callable[[], list[str]], serve_url: str = ""):
         self.bus = bus
         self.key = S.worker_key(pool, worker_id)
         self.info = WorkerInfo(worker_id=worker_id, kind=kind, pool=pool, capacity=capacity,
-                               host=socket.gethostname(), pid=os.getpid(), started_s=time.time())
+                               host=socket.gethostname(), pid=os.getpid(), started_s=time.time(),
+                               serve_url=serve_url)
         self.jobs = jobs
         self._task: asyncio.Task | None = None
 

@@ -8,8 +8,10 @@ Nothing but service.py imports this module.
   temperature and top-p), i.e. the distribution it was actually sampled from.
 - The engine is seeded once; a per-request `seed` kills the CPU engine ("CPU
   Generator does not use offset", DESIGN.md).
+- LoRA adapters up to `max_lora_rank` are applied by vLLM per request (multi-LoRA,
+  `use_lora`): jobs sharing the engine switch adapters without touching the weights.
 - Weights reload in place by Hugging Face name (`reload_weights`), a partial load of
-  just the changed tensors. vLLM fuses q/k/v (and gate/up) into one parameter and
+  just the changed tensors (full-weight jobs, and adapters vLLM cannot apply). vLLM fuses q/k/v (and gate/up) into one parameter and
   re-processes it only when every part arrives, so callers send whole fused groups
   (`packed_modules`, weights.HeldWeights does this).
 """
@@ -72,14 +74,23 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
-                 max_model_len: int = 2048, gpu_memory_utilization: float = 0.5):
+                 max_model_len: int = 2048, gpu_memory_utilization: float = 0.5,
+                 max_loras: int = 0, max_lora_rank: int = 64):
         from vllm import LLM
 
+        # vLLM multi-LoRA: with max_loras > 0, adapters up to max_lora_rank are applied
+        # per request (`use_lora`) over the unchanged base weights, instead of merged in
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank if max_loras > 0 else 0
+        lora = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank} if max_loras > 0 else {}
         # on CPU torch.compile costs ~70 s at start and ran slower than eager here
         # (measured); on a GPU, compiled graphs pay off
         self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        logprobs_mode="processed_logprobs", enforce_eager=device != "cuda",
-                       gpu_memory_utilization=gpu_memory_utilization)
+                       gpu_memory_utilization=gpu_memory_utilization, **lora)
+        self.lora = None  # the LoRARequest the next generate() applies
+        self._lora_ids: dict[str, int] = {}  # adapter folder -> vLLM's id
+        self._next_lora_id = 1
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         # a partial reload (just the LoRA targets) is intended: vLLM warns about every
@@ -110,7 +121,8 @@ class VLLMEngine:
                 raise ValueError(f"prompt {i} has {len(p)} tokens: no room under max_model_len {self.max_model_len}")
             # logprobs=0: only the sampled token's logprob
             params.append(VSamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=n, logprobs=0))
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.lora)
         res = []
         for o in outs:
             c = o.outputs[0]
@@ -120,6 +132,23 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
             res.append(GenOut(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
         return res
+
+    def use_lora(self, adapter_dir: str | None, drop: str | None = None) -> None:
+        """Apply the peft adapter in `adapter_dir` to the following generate() calls
+        (None: the bare weights). `drop`: an adapter folder no longer needed (a job's
+        previous version), removed from vLLM's cache."""
+        from vllm.lora.request import LoRARequest
+
+        if drop and drop in self._lora_ids:
+            self.llm.llm_engine.remove_lora(self._lora_ids.pop(drop))
+        if adapter_dir is None:
+            self.lora = None
+            return
+        if adapter_dir not in self._lora_ids:
+            self._lora_ids[adapter_dir] = self._next_lora_id
+            self._next_lora_id += 1
+        lora_id = self._lora_ids[adapter_dir]
+        self.lora = LoRARequest(f"adapter-{lora_id}", lora_id, adapter_dir)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Reload `tensors` (Hugging Face names) in place. Fused parameters (qkv_proj,

@@ -39,6 +39,7 @@ import contextlib
 import importlib.util
 import logging
 import re
+import shutil
 import time
 import zlib
 from collections import OrderedDict
@@ -84,6 +85,7 @@ from opentinker.services.rollout.weights import (
     lora_scale,
     merge_lora,
     parse_uri,
+    write_peft_adapter,
 )
 
 log = logging.getLogger("opentinker.rollout")
@@ -205,6 +207,10 @@ class EngineSlot:
         self.held = HeldWeights(self.base, engine.packed_modules)
         self.holding: PolicyId = BASE
         self.updates: OrderedDict[str, tuple[PolicyId, dict[str, torch.Tensor]]] = OrderedDict()
+        # held from loading a job's policy to the end of its generation: jobs sharing
+        # the engine (LoRA jobs, inference endpoints) never interleave their weights
+        self.lock = asyncio.Lock()
+        self.adapters: dict[str, str] = {}  # job -> its adapter folder (vLLM multi-LoRA)
 
 
 def pick_engine(requested: str, configured: str, model_dir: str) -> str:
@@ -348,6 +354,11 @@ class RolloutWorker:
             return ident[1]
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        max_rank = getattr(slot.engine, "max_lora_rank", 0)
+        if ev is not None and ev.kind == "lora" and 0 < (ev.lora_rank or 1) <= max_rank:
+            return await self._use_adapter(slot, job_id, ev, ident, t0)
+        if max_rank:
+            slot.engine.use_lora(None)
         cached = slot.updates.get(job_id)
         if ev is None:
             new: dict[str, torch.Tensor] = {}
@@ -369,14 +380,50 @@ class RolloutWorker:
                  job_id, ident[1], len(plan), time.perf_counter() - t0)
         return ident[1]
 
+    async def _use_adapter(self, slot: EngineSlot, job_id: str, ev: WeightsPublished, ident: PolicyId,
+                           t0: float) -> int:
+        """vLLM multi-LoRA: the engine keeps the base weights and applies the job's
+        adapter per request. The adapter is written once per version as a peft folder
+        under <home>/cache/adapters/<job>/; the job's previous one is dropped."""
+        loop = asyncio.get_running_loop()
+        folder = Path(self.settings.home) / "cache" / "adapters" / job_id / ev.sha256[:16]
+        if not (folder / "adapter_config.json").exists():
+            data = await self._fetch(ev.uri)
+
+            def write() -> None:
+                check_sha256(data, ev.sha256)
+                pairs = lora_pairs(decode_tensors(data))
+                write_peft_adapter(slot.base, pairs, ev.lora_alpha, ev.lora_rank, folder)
+
+            await loop.run_in_executor(slot.executor, write)
+        plan = slot.held.plan({})  # back to the base weights if a full-weight job left its own
+        if plan:
+            await loop.run_in_executor(slot.executor, slot.engine.load_weights, plan)
+        slot.held.commit({})
+        previous = slot.adapters.get(job_id)
+        drop = previous if previous and previous != str(folder) else None
+        await loop.run_in_executor(slot.executor, slot.engine.use_lora, str(folder), drop)
+        if drop:
+            shutil.rmtree(drop, ignore_errors=True)
+        slot.adapters[job_id] = str(folder)
+        slot.holding = ident
+        log.info("job %s: policy version %d applied as a vLLM LoRA adapter (%.2f s)",
+                 job_id, ident[1], time.perf_counter() - t0)
+        return ident[1]
+
     # -- engines --
 
     async def engine_for(self, req: RolloutRequest) -> EngineSlot:
-        """The engine slot for the request's model (created on first use). Raises
-        OSError/ValueError/RuntimeError/ImportError when the model or engine cannot load."""
-        model_dir = await asyncio.to_thread(resolve_model, req.model, self.settings.home)
-        kind = pick_engine(req.engine, self.settings.engine, model_dir)
-        chosen_for_us = req.engine == "auto" and self.settings.engine == "auto"
+        """The engine slot for the request's model; see engine_for_model."""
+        return await self.engine_for_model(req.model, req.engine)
+
+    async def engine_for_model(self, model: str, engine: str) -> EngineSlot:
+        """The engine slot for `model` on `engine` ("auto", "vllm", "hf"), created on
+        first use. Raises OSError/ValueError/RuntimeError/ImportError when the model or
+        engine cannot load."""
+        model_dir = await asyncio.to_thread(resolve_model, model, self.settings.home)
+        kind = pick_engine(engine, self.settings.engine, model_dir)
+        chosen_for_us = engine == "auto" and self.settings.engine == "auto"
         key = (model_dir, kind)
         if key in self.engines:
             return self.engines[key]
@@ -410,7 +457,9 @@ class RolloutWorker:
             # float32 on CPU: sampler logprobs match the learner's float32 (engine_vllm)
             dtype = "bfloat16" if self.device == "cuda" else "float32"
             return VLLMEngine(model_dir, device=self.device, dtype=dtype, seed=self.seed,
-                              max_model_len=MAX_MODEL_LEN)
+                              max_model_len=MAX_MODEL_LEN,
+                              max_loras=self.settings.rollout_slots if self.settings.lora_max_rank > 0 else 0,
+                              max_lora_rank=self.settings.lora_max_rank)
         from opentinker.services.rollout.engine_hf import HFEngine
 
         return HFEngine(model_dir, device=self.device, dtype="float32", seed=self.seed,
@@ -508,7 +557,8 @@ class RolloutWorker:
         loop = AgentLoop(slot.engine, self.env, worker=self.worker, executor=slot.executor)
         t0 = time.perf_counter()
         try:
-            await loop.run(reqs, policy_version, publish)
+            async with slot.lock:
+                await loop.run(reqs, policy_version, publish)
         except WeightsError as e:
             for _, m in items:
                 if pending.pop(id(m), None) is not None:
@@ -537,8 +587,17 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     durable = f"rollout-{worker.worker}"
     sub = await bus.pull(ROLLOUT_STREAM, durable, S.rollout_of_worker(worker.worker), ack_wait_s=ACK_WAIT_S)
     engines = ["vllm", "hf"] if importlib.util.find_spec("vllm") and settings.engine != "hf" else ["hf"]
+    server = None
+    serve_url = ""
+    if settings.serve_port >= 0:
+        from opentinker.services.core.http import serve_http
+        from opentinker.services.rollout.openai_api import make_app
+
+        server = await serve_http(make_app(worker), settings.serve_host, settings.serve_port)
+        serve_url = settings.serve_url or f"http://{settings.serve_host}:{server.port}"
+        log.info("OpenAI-compatible endpoint for inference jobs on %s/jobs/<job>/v1", serve_url)
     beat = Heartbeat(bus, "rollout", worker.worker, settings.pool,
-                     machine_capacity(settings.rollout_slots, engines), jobs=list)
+                     machine_capacity(settings.rollout_slots, engines), jobs=list, serve_url=serve_url)
     await beat.start()
     log.info("rollout worker %s of pool %s ready (engine %s, device %s)", worker.worker, settings.pool,
              settings.engine, worker.device)
@@ -559,6 +618,8 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     finally:
         stopped.cancel()
         await beat.stop()
+        if server is not None:
+            await server.stop()
         await worker.close()
 
 

@@ -122,6 +122,39 @@ def lora_scale(lora_alpha: int, lora_rank: int, pairs: Mapping[str, tuple[torch.
     return lora_alpha / rank
 
 
+def write_peft_adapter(base: Mapping[str, torch.Tensor], pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                       lora_alpha: int, lora_rank: int, out_dir: Path) -> int:
+    """Save an adapter as a peft folder (`adapter_config.json`,
+    `adapter_model.safetensors`), the form vLLM's LoRARequest loads. Checks every pair
+    against the base weight's shape; returns the rank. Raises WeightsError."""
+    from safetensors.torch import save_file
+
+    scale = lora_scale(lora_alpha, lora_rank, pairs)
+    rank = next(a.shape[0] for a, _ in pairs.values())
+    tensors = {}
+    for name, (a, b) in pairs.items():
+        if name not in base:
+            raise WeightsError(f"adapter for {name!r}: the model has no such weight")
+        if (b.shape[0], a.shape[1]) != tuple(base[name].shape):
+            raise WeightsError(f"adapter for {name!r} is {b.shape[0]}x{a.shape[1]}, "
+                               f"the base weight is {tuple(base[name].shape)}")
+        module = name.removesuffix(".weight")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    targets = sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n in pairs})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    # lora_alpha / r is the scale peft and vLLM apply (arXiv 2106.09685 §4.1)
+    (out_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": _number(scale * rank),
+        "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "base_model_name_or_path": ""}))
+    return rank
+
+
+def _number(x: float) -> int | float:
+    return int(round(x)) if abs(x - round(x)) < 1e-9 else x
+
+
 class BaseWeights(Mapping[str, torch.Tensor]):
     """The base model's tensors by Hugging Face name, read lazily from its safetensors
     files and cached, so each LoRA merge starts from W0 and a job switch can restore it.

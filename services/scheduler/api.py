@@ -13,13 +13,11 @@ Routes: GET /v1/health; POST/GET /v1/jobs; GET /v1/jobs/{id}; POST
 POST/GET /v1/users (admin); POST/GET /v1/users/{name}/keys; DELETE /v1/keys/{key_id}.
 """
 
-import contextlib
 import time
 from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
-import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Path, Query
 from fastapi.responses import FileResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -31,6 +29,7 @@ from opentinker.schemas.control import JobStateChanged
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError, spec_from_dict
 from opentinker.schemas.users import User
+from opentinker.services.core.http import serve_http
 from opentinker.services.core.pool import live_workers
 from opentinker.services.scheduler.placement import current_load, holders
 from opentinker.services.scheduler.users import USER_RE, AuthError, UserError
@@ -50,6 +49,8 @@ class SubmitBody(BaseModel):
     spec: dict[str, Any] = Field(default_factory=dict)
     job_id: str = Field("", pattern=r"^$|" + JOB_ID_RE.pattern)
     kind: Literal["train", "inference"] = "train"
+    policy_of: str = Field("", pattern=r"^$|" + JOB_ID_RE.pattern,
+                           description="inference: serve this train job's latest policy")
 
 
 class CancelBody(BaseModel):
@@ -115,15 +116,20 @@ def make_app(sched: "Scheduler") -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"])
     async def submit(body: SubmitBody, user: Current) -> dict[str, Any]:
-        """Submit a job; it is queued and placed on the pool. 422 names the bad field."""
+        """Submit a job; it is queued and placed on the pool. 422 names the bad field.
+        An inference job answers with `endpoint_token`, the bearer token of the
+        OpenAI-compatible endpoint its rollout worker serves (`endpoint` in its record
+        once placed)."""
         try:
             spec = spec_from_dict(body.spec)
         except SpecError as e:
             raise problem(422, str(e), f"spec.{e.field}") from None
-        reply = await sched.submit(SubmitJob(spec=spec, job_id=body.job_id, kind=body.kind), user.name)
+        reply = await sched.submit(SubmitJob(spec=spec, job_id=body.job_id, kind=body.kind,
+                                             policy_of=body.policy_of), user)
         if not reply.ok:
-            raise problem(409, reply.error, reply.field)
-        return {"job_id": reply.job_id}
+            raise problem(404 if reply.error.startswith("no job") else 409, reply.error, reply.field)
+        # an inference job's endpoint token is shown here only (the record keeps its hash)
+        return {"job_id": reply.job_id, **({"endpoint_token": reply.endpoint_token} if reply.endpoint_token else {})}
 
     @app.get("/v1/jobs", tags=["jobs"])
     async def list_jobs(user: Current, state: Annotated[JobState | None, Query()] = None) -> list[dict[str, Any]]:
@@ -226,24 +232,7 @@ def make_app(sched: "Scheduler") -> FastAPI:
     return app
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield  # the service's own SIGINT/SIGTERM handlers stop it (core/runner.py)
-
-
-async def serve_api(sched: "Scheduler", host: str, port: int) -> _Server:
-    """Start the API on host:port in this event loop; `server.should_exit = True` stops it.
-    Raises OSError if the port cannot be bound."""
-    import asyncio
-
-    server = _Server(uvicorn.Config(make_app(sched), host=host, port=port, log_level="warning",
-                                    lifespan="off", access_log=False))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-            raise OSError(f"the REST API could not listen on {host}:{port}")
-        await asyncio.sleep(0.05)
-    server.task = task
-    return server
+async def serve_api(sched: "Scheduler", host: str, port: int):
+    """Start the API on host:port in this event loop (core/http.py). Raises OSError if
+    the port cannot be bound."""
+    return await serve_http(make_app(sched), host, port)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
@@ -39,7 +40,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from opentinker.schemas import (
     CancelJob, CancelReply, JobAssigned, JobRecord, JobState, JobStateChanged, SubmitJob,
-    SubmitReply, decode, encode,
+    SubmitReply, WeightsPublished, decode, encode,
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError, error_field, validate_job_spec
@@ -190,26 +191,53 @@ class Scheduler:
             except AuthError as e:
                 reply = SubmitReply(ok=False, error=e.reason, field="api_key")
             else:
-                reply = await self.submit(parsed, user.name)
+                reply = await self.submit(parsed, user)
         if m.reply:
             await self.bus.nc.publish(m.reply, encode(reply))
 
-    async def submit(self, cmd: SubmitJob, user: str = "") -> SubmitReply:
+    async def submit(self, cmd: SubmitJob, user: User) -> SubmitReply:
         job_id = cmd.job_id or new_job_id(cmd.spec.name or cmd.spec.env)
         now = time.time()
+        token = ""
+        if cmd.kind == "inference":
+            token = "otj-" + secrets.token_urlsafe(32)
+        elif cmd.policy_of:
+            return SubmitReply(ok=False, error="only an inference job serves another job's policy",
+                               field="policy_of")
         rec = JobRecord(job_id=job_id, spec=cmd.spec, state=JobState.QUEUED, created_s=now,
-                        updated_s=now, history=[f"{now:.3f} queued"], kind=cmd.kind, user=user,
-                        pool=self.pool)
+                        updated_s=now, history=[f"{now:.3f} queued"], kind=cmd.kind, user=user.name,
+                        pool=self.pool,
+                        endpoint_token_sha256=hashlib.sha256(token.encode()).hexdigest() if token else "")
+        policy = None
+        if cmd.policy_of:
+            policy = await self.policy_event(cmd.policy_of, job_id, user)
+            if isinstance(policy, SubmitReply):
+                return policy
         async with self.lock:
             try:
                 await self.put(rec, None)
             except Conflict:
                 return SubmitReply(ok=False, error=f"job {job_id} already exists", field="job_id")
+        if policy is not None:
+            await self.bus.publish(S.job(job_id, "weights"), policy, msg_id=f"{job_id}-w1")
         await self.announce(rec)
         self.wake.set()
-        log.info("accepted %s job %s of %r (model=%s env=%s steps=%d)", cmd.kind, job_id, user,
+        log.info("accepted %s job %s of %r (model=%s env=%s steps=%d)", cmd.kind, job_id, user.name,
                  cmd.spec.model, cmd.spec.env, cmd.spec.steps)
-        return SubmitReply(ok=True, job_id=job_id)
+        return SubmitReply(ok=True, job_id=job_id, endpoint_token=token)
+
+    async def policy_event(self, source: str, job_id: str, user: User) -> WeightsPublished | SubmitReply:
+        """The newest weight event of train job `source` (the user's own), re-addressed
+        to `job_id` as its policy version 1; a refusal naming `policy_of` otherwise."""
+        got = await self.record(source) if JOB_ID_RE.match(source) else None
+        if got is None or not visible(got[0], user):
+            return SubmitReply(ok=False, error=f"no job {source}", field="policy_of")
+        try:
+            raw = await self.bus.js.get_last_msg("OT_WEIGHTS", S.job(source, "weights"))
+            ev = decode(raw.data, WeightsPublished)
+        except (NotFoundError, msgspec.MsgspecError):
+            return SubmitReply(ok=False, error=f"job {source} has published no weights yet", field="policy_of")
+        return msgspec.structs.replace(ev, job_id=job_id, policy_version=1, time_s=time.time())
 
     async def on_cancel(self, cmd: CancelJob, _m: Msg) -> CancelReply:
         try:
@@ -308,7 +336,13 @@ class Scheduler:
     async def place(self, rec: JobRecord, rev: int, p: Placement) -> None:
         where = ", ".join(holders(msgspec.structs.replace(rec, placement=p)))
         state = JobState.RUNNING if rec.kind == "inference" else JobState.QUEUED
-        rec = with_state(rec, state, f"placed on {where} (attempt {p.attempt})", placement=p, attempt=p.attempt)
+        endpoint = ""
+        if rec.kind == "inference" and p.rollout:
+            info = (await live_workers(self.bus, self.pool)).get(p.rollout[0])
+            if info is not None and info.serve_url:
+                endpoint = f"{info.serve_url.rstrip('/')}/jobs/{rec.job_id}/v1"
+        rec = with_state(rec, state, f"placed on {where} (attempt {p.attempt})", placement=p, attempt=p.attempt,
+                         endpoint=endpoint)
         await self.put(rec, rev)
         if rec.kind == "train":
             await self.bus.publish(S.assign_learner(p.learner),
@@ -357,8 +391,7 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await placing
         if server is not None:
-            server.should_exit = True
-            await server.task
+            await server.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
