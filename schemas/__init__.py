@@ -31,8 +31,24 @@ from opentinker.schemas.metrics import Metrics
 from opentinker.schemas.rollout import RolloutRequest, Trajectory, TurnRecord
 from opentinker.schemas.weights import WeightsPublished
 
+
+
+def schema_by_name(name: str) -> type | None:
+    """The message type named `name` (the `Ot-Schema` header), or None. Covers every
+    Message subclass the schemas define (pool and user records included)."""
+    from opentinker.schemas import pool, users  # noqa: F401  (registers their types)
+
+    seen, todo = {}, [Message]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            seen.setdefault(sub.__name__, sub)
+            todo.append(sub)
+    return seen.get(name)
+
+
 __all__ = [
-    "SCHEMA_VERSION", "Message", "decode", "encode", "schema_name",
+    "SCHEMA_VERSION", "Message", "decode", "encode", "schema_name", "schema_by_name",
     "CancelJob", "CancelReply", "JobAssigned", "JobRecord", "JobState", "JobStateChanged",
     "SubmitJob", "SubmitReply", "DeadLetter",
     "EnvCloseRequest", "EnvInitReply", "EnvInitRequest", "EnvResetReply", "EnvResetRequest",

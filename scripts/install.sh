@@ -8,7 +8,7 @@
 # `uv pip install vllm` (see README "Install").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="${EXTRAS:-server,vllm,bench,dev}"
+EXTRAS="${EXTRAS:-server,vllm,plot,wandb,bench,dev}"
 if ! command -v uv >/dev/null 2>&1; then
   python3 -m pip install -q uv
 fi

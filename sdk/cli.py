@@ -108,6 +108,11 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
         if args.detach:
             print(job.id)
             return 0
+        bridge = None
+        if args.wandb:
+            from opentinker.sdk.wandb_bridge import WandbBridge
+
+            bridge = asyncio.ensure_future(WandbBridge(client, job.id).follow())
         rewards: list[float] = []
         total = spec.get("steps", 20)
         cols = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -140,6 +145,9 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
                     f"  clip {v.get('clip_frac', 0):.3f}  lag {v.get('policy_lag_mean', 0):.2f}"
                     f"  {v.get('tokens_per_s', 0):.0f} tok/s  {v.get('step_time_s', 0):.1f}s/step")
         rec = await job.wait(raise_on_failure=False)
+        if bridge is not None:
+            await bridge
+            console.print(f"wandb run {job.id} logged ({bridge.result().state.value})")
         console.print(f"job {job.id} {rec.state.value} at step {rec.step} {rec.reason}")
         if len(rewards) >= 2:
             k = min(5, len(rewards) // 2)
@@ -337,17 +345,171 @@ def cmd_endpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def tail_record(subject: str, headers: dict[str, str] | None, data: bytes, short: bool) -> dict[str, Any]:
+    """One bus message as plain data: its subject, schema (the `Ot-Schema` header) and
+    the decoded message, or the reason it does not decode. `short` cuts lists (token
+    ids, logprobs) to their first 8 items."""
+    import msgspec
+
+    from opentinker.schemas import decode, schema_by_name
+    from opentinker.schemas import subjects as S
+
+    name = (headers or {}).get(S.H_SCHEMA, "")
+    kind = schema_by_name(name) if name else None
+    out: dict[str, Any] = {"subject": subject, "schema": name or None}
+    if kind is None:
+        out["error"] = f"no schema {name!r}" if name else "no Ot-Schema header"
+        out["bytes"] = len(data)
+        return out
+    try:
+        value = msgspec.to_builtins(decode(data, kind))
+    except msgspec.MsgspecError as e:
+        out["error"] = f"does not decode as {name}: {e}"
+        return out
+    out["data"] = _shorten(value) if short else value
+    return out
+
+
+def _shorten(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _shorten(x) for k, x in v.items()}
+    if isinstance(v, list):
+        head = [_shorten(x) for x in v[:8]]
+        return head + [f"... {len(v) - 8} more"] if len(v) > 8 else head
+    return v
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    """Print the messages on SUBJECT (wildcards allowed) as JSON lines, decoded by their
+    schema header: with --history first what the streams hold, then live ones."""
+    import json
+
+    from opentinker.services.core.bus import Bus
+
+    async def run() -> int:
+        bus = await Bus.connect(_nats_url(args), "tail")
+        printed = 0
+        q: asyncio.Queue = asyncio.Queue()
+        try:
+            sub = await bus.nc.subscribe(args.subject, cb=q.put)
+            if args.history:
+                for m in await bus.read_raw(args.subject):
+                    print(json.dumps(tail_record(m.subject, m.headers, m.data, args.short)), flush=True)
+                    printed += 1
+                    if args.count and printed >= args.count:
+                        return 0
+            while not args.count or printed < args.count:
+                m = await q.get()
+                print(json.dumps(tail_record(m.subject, m.headers, m.data, args.short)), flush=True)
+                printed += 1
+            await sub.unsubscribe()
+        finally:
+            await bus.close()
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_wandb(args: argparse.Namespace) -> int:
+    from opentinker.sdk.client import Client
+    from opentinker.sdk.wandb_bridge import WandbBridge
+
+    async def run() -> int:
+        async with await Client.connect(_nats_url(args)) as client:
+            rec = await WandbBridge(client, _job_arg(args.job_id), project=args.project, mode=args.mode).follow()
+        print(f"wandb run {args.job_id}: job {rec.state.value}")
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from opentinker.sdk.views import plot
+
+    data_dir = args.data_dir or str(Path(_home()) / "data")
+    out = args.out or str(Path(_home()) / "plots" / args.job_id)
+    try:
+        files = plot(_job_arg(args.job_id), data_dir, out)
+    except LookupError as e:
+        raise SystemExit(str(e)) from None
+    for f in files:
+        print(f)
+    return 0
+
+
+def cmd_episodes(args: argparse.Namespace) -> int:
+    from opentinker.sdk.views import episodes, print_episodes
+
+    data_dir = args.data_dir or str(Path(_home()) / "data")
+    tok = None
+    if args.model:
+        from transformers import AutoTokenizer
+
+        from opentinker.services.core.models import resolve_model
+
+        tok = AutoTokenizer.from_pretrained(resolve_model(args.model, _home()))
+    eps = episodes(_job_arg(args.job_id), args.step, data_dir, args.limit, args.split, tok)
+    if not eps:
+        raise SystemExit(f"no {args.split} episodes of job {args.job_id} at step {args.step} in {data_dir}")
+    print_episodes(eps, _console())
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from opentinker.sdk.client import Client
+    from opentinker.sdk.views import watch
+
+    async def run() -> int:
+        async with await Client.connect(_nats_url(args)) as client:
+            rec = await watch(client, _job_arg(args.job_id), _console())
+        return 0 if rec.state.value == "completed" else 1
+
+    return asyncio.run(run())
+
+
+def _job_arg(job_id: str) -> str:
+    """A job id checked as a subject token; exits naming the problem otherwise."""
+    from opentinker.schemas.subjects import check_job_id
+
+    try:
+        return check_job_id(job_id)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
 def cmd_query(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from opentinker.services.core.logdb import run_query
 
+    from opentinker.services.core.queries import EXAMPLES
+
     data_dir = args.data_dir or str(Path(_home()) / "data")
-    cols, rows = run_query(args.sql, data_dir)
+    sql = args.sql
+    if args.example:
+        if not args.job:
+            raise SystemExit("--example needs --job JOB")
+        sql = EXAMPLES[args.example].format(job=_job_arg(args.job))
+    elif not sql:
+        raise SystemExit("give SQL, or --example NAME --job JOB")
+    cols, rows = run_query(sql, data_dir)
     t = Table(*cols)
     for r in rows:
         t.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r))
     _console().print(t)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A filtered slice of the log to Parquet or JSONL (for SFT, or to share)."""
+    from opentinker.services.core.logdb import export_query
+
+    data_dir = args.data_dir or str(Path(_home()) / "data")
+    n = export_query(args.sql, data_dir, args.out)
+    print(f"{n} rows -> {args.out}")
     return 0
 
 
@@ -418,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--up", action="store_true", help="start the embedded stack for this job")
     s.add_argument("--job-id", default="")
     s.add_argument("--detach", action="store_true", help="print the job id and return")
+    s.add_argument("--wandb", action="store_true", help="also log the job to wandb (offline unless WANDB_API_KEY or WANDB_MODE say otherwise)")
     s.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("infer", help="run a base model, an adapter or a job's policy on an environment")
@@ -456,8 +619,51 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
     s.set_defaults(fn=cmd_endpoint)
 
-    s = sub.add_parser("query", help="DuckDB SQL over the trajectory log")
+    s = sub.add_parser("export", help="write a query's rows (a slice of the log) to .parquet or .jsonl")
     s.add_argument("sql")
+    s.add_argument("--out", required=True, help="a .parquet or .jsonl file")
+    s.add_argument("--data-dir", help="the log's root (default <home>/data)")
+    s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("tail", help="print a subject's messages as JSON, decoded by their schema")
+    s.add_argument("subject", help="e.g. 'ot.job.JOB.>' or 'ot.job.JOB.metrics'")
+    s.add_argument("--history", action="store_true", help="first what the streams hold")
+    s.add_argument("--count", type=int, default=0, help="stop after this many messages")
+    s.add_argument("--short", action="store_true", help="cut long lists (token ids, logprobs) to 8 items")
+    s.set_defaults(fn=cmd_tail)
+
+    s = sub.add_parser("watch", help="follow a job live: progress, reward, eval, step time, lag, throughput")
+    s.add_argument("job_id")
+    s.set_defaults(fn=cmd_watch)
+
+    s = sub.add_parser("wandb", help="log a job (its metrics and rollout figures) to a wandb run named after it")
+    s.add_argument("job_id")
+    s.add_argument("--project", help="default $WANDB_PROJECT, else opentinker")
+    s.add_argument("--mode", choices=["offline", "online", "disabled"],
+                   help="default $WANDB_MODE, else online with WANDB_API_KEY, else offline")
+    s.set_defaults(fn=cmd_wandb)
+
+    s = sub.add_parser("plot", help="PNG charts of a job (reward, eval, KL, entropy, step time) from the log")
+    s.add_argument("job_id")
+    s.add_argument("--out", help="folder (default <home>/plots/JOB)")
+    s.add_argument("--data-dir", help="log root (default <home>/data)")
+    s.set_defaults(fn=cmd_plot)
+
+    s = sub.add_parser("episodes", help="a job's sampled episodes at a step, turn by turn, mask visible")
+    s.add_argument("job_id")
+    s.add_argument("--step", type=int, default=0)
+    s.add_argument("--limit", type=int, default=2)
+    s.add_argument("--split", default="train", choices=["train", "eval"])
+    s.add_argument("--model", help="decode the tokens with this model's tokenizer (else the logged text)")
+    s.add_argument("--data-dir", help="log root (default <home>/data)")
+    s.set_defaults(fn=cmd_episodes)
+
+    from opentinker.services.core.queries import EXAMPLES
+
+    s = sub.add_parser("query", help="DuckDB SQL over the trajectory log")
+    s.add_argument("sql", nargs="?", default="")
+    s.add_argument("--example", choices=sorted(EXAMPLES), help="a documented query (with --job)")
+    s.add_argument("--job", help="the job an --example is about")
     s.add_argument("--data-dir", help="log root (default <home>/data)")
     s.set_defaults(fn=cmd_query)
 

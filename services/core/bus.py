@@ -29,6 +29,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from opentinker.schemas import DeadLetter, JobRecord, decode, encode, schema_name
 from opentinker.schemas import subjects as S
+from opentinker.services.core import tracing
 
 log = logging.getLogger("opentinker.bus")
 T = TypeVar("T", bound=msgspec.Struct)
@@ -50,6 +51,27 @@ def child_traceparent(parent: str | None) -> str:
     if len(parts) == 4 and len(parts[1]) == 32:
         return f"00-{parts[1]}-{secrets.token_hex(8)}-{parts[3]}"
     return new_traceparent()
+
+
+def _episode_attr(msg: Any) -> dict[str, str]:
+    """`ot.episode_id` for a span about a message that names an episode."""
+    eid = getattr(msg, "episode_id", "")
+    return {"ot.episode_id": eid} if eid else {}
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether NATS subjects/wildcards `a` and `b` can match a common subject."""
+    ta, tb = a.split("."), b.split(".")
+    for i in range(max(len(ta), len(tb))):
+        x = ta[i] if i < len(ta) else None
+        y = tb[i] if i < len(tb) else None
+        if x == ">" or y == ">":
+            return x is not None and y is not None
+        if x is None or y is None:
+            return False
+        if x != y and "*" not in (x, y):
+            return False
+    return True
 
 
 def service_credentials(url: str) -> dict[str, str]:
@@ -220,25 +242,44 @@ class Bus:
         (at most `limit`; undecodable ones skipped). No consumer is made: each is a
         direct "next by subject" get."""
         out: list[T] = []
+        for raw in await self._stream_msgs(stream, subject, limit):
+            with contextlib.suppress(msgspec.MsgspecError):
+                out.append(decode(raw.data, kind))
+        return out
+
+    async def _stream_msgs(self, stream: str, subject: str, limit: int) -> list:
+        """The raw messages of `subject` in `stream`, oldest first, by direct "next by
+        subject" gets (no consumer)."""
+        out: list = []
         seq = 1
         while len(out) < limit:
             try:
                 raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
             except NotFoundError:
                 break
-            with contextlib.suppress(msgspec.MsgspecError):
-                out.append(decode(raw.data, kind))
+            out.append(raw)
             seq = raw.seq + 1
+        return out
+
+    async def read_raw(self, subject: str, limit: int = 100_000) -> list:
+        """Every message the streams hold on `subject` (wildcards allowed), oldest first
+        within each stream, undecoded (RawStreamMsg: subject, headers, data, seq)."""
+        out: list = []
+        for stream, (subjects, _) in S.STREAMS.items():
+            if any(_overlap(subject, s) for s in subjects):
+                out += await self._stream_msgs(stream, subject, limit - len(out))
         return out
 
     # -- publish / request ----------------------------------------------------
 
     def headers(self, msg: msgspec.Struct, msg_id: str | None, traceparent: str | None) -> dict[str, str]:
-        h = {
-            S.H_SCHEMA: schema_name(type(msg)),
-            S.H_CONTENT_TYPE: S.CONTENT_TYPE,
-            S.H_TRACEPARENT: child_traceparent(traceparent),
-        }
+        """The headers of `msg`: schema, content type, `msg_id`, and the trace context
+        of the current span (tracing.py); with no span current, a child of
+        `traceparent` (or a new trace)."""
+        h = {S.H_SCHEMA: schema_name(type(msg)), S.H_CONTENT_TYPE: S.CONTENT_TYPE}
+        tracing.inject(h)
+        if S.H_TRACEPARENT not in h:
+            h[S.H_TRACEPARENT] = child_traceparent(traceparent)
         if msg_id:
             h[S.H_MSG_ID] = msg_id
         return h
@@ -311,14 +352,18 @@ class Bus:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             await self.dead_letter(m, f"cannot decode {kind.__name__}: {e}")
             return
-        try:
-            reply = await handler(req, m)
-        except Exception:
-            log.exception("handler for %s failed", subject)
-            return
-        if m.reply:
-            await self.nc.publish(m.reply, encode(reply),
-                                  headers=self.headers(reply, None, (m.headers or {}).get(S.H_TRACEPARENT)))
+        # a server span continuing the requester's trace (e.g. rollout -> envhost)
+        with tracing.span(f"{self.service} {kind.__name__}", parent=tracing.extract(m.headers),
+                          kind=tracing.SpanKind.SERVER,
+                          attrs={"messaging.destination.name": m.subject, **_episode_attr(req)}):
+            try:
+                reply = await handler(req, m)
+            except Exception:
+                log.exception("handler for %s failed", subject)
+                return
+            if m.reply:
+                await self.nc.publish(m.reply, encode(reply),
+                                      headers=self.headers(reply, None, (m.headers or {}).get(S.H_TRACEPARENT)))
 
     async def dead_letter(self, m: Msg, reason: str) -> None:
         """Record an unprocessable message on `ot.dlq.<service>` with the reason."""

@@ -110,3 +110,21 @@ def run_query(sql: str, data_dir: str | Path) -> tuple[list[str], list[tuple[Any
         return cols, cur.fetchall()
     finally:
         con.close()
+
+
+def export_query(sql: str, data_dir: str | Path, out: str | Path) -> int:
+    """Write the rows of `sql` (over the views) to `out`: Parquet for `.parquet`,
+    newline-delimited JSON for `.jsonl`/`.json`. Returns the row count. Raises
+    ValueError for another suffix, duckdb.Error for bad SQL."""
+    out = Path(out)
+    fmt = {".parquet": "PARQUET", ".jsonl": "JSON", ".json": "JSON"}.get(out.suffix)
+    if fmt is None:
+        raise ValueError(f"export to {out.name}: use a .parquet or .jsonl file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    con = connect(data_dir)
+    try:
+        n = con.execute(f"SELECT count(*) FROM ({sql})").fetchone()[0]
+        con.execute(f"COPY ({sql}) TO {_sql_str(str(out))} (FORMAT {fmt})")
+    finally:
+        con.close()
+    return int(n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus, install_signal_handlers
 from opentinker.services.core.config import Settings, main_settings
 
@@ -15,6 +16,7 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
     """Parse settings, connect to NATS, create the topology, run `body` until
     SIGINT/SIGTERM sets the stop event, then drain the connection."""
     settings = main_settings(service, argv)
+    tracing.setup(service)
 
     async def _main() -> None:
         stop = asyncio.Event()
@@ -26,4 +28,7 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
         finally:
             await bus.close()
 
-    asyncio.run(_main())
+    try:
+        asyncio.run(_main())
+    finally:
+        tracing.shutdown()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from opentinker.schemas import JobSpec
+from opentinker.services.core import tracing
 from opentinker.services.core.nats_server import free_port
 from opentinker.services.learner.batching import Batch
 from opentinker.services.learner.loss import grpo_loss, token_logprobs
@@ -157,15 +158,19 @@ class TrainEngine:
         for k, mb in enumerate(batches):
             mb = Batch(*(t.to(self.device) for t in mb))
             ref = self._ref_logprobs(mb, temperature) if spec.kl_coef > 0 else None
-            logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            logp, entropy = token_logprobs(logits, mb.input_ids, temperature)
-            del logits
-            out = grpo_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, spec.clip_range,
-                            num_tokens=total, logp_ref=ref, kl_coef=spec.kl_coef, entropy=entropy)
-            self.engine.backward(out.loss, scale_wrt_gas=False)
+            with tracing.span("learner.forward_backward", attrs={"ot.micro_batch": k,
+                                                                 "ot.tokens": int(mb.input_ids.numel())}):
+                logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                logp, entropy = token_logprobs(logits, mb.input_ids, temperature)
+                del logits
+                out = grpo_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, spec.clip_range,
+                                num_tokens=total, logp_ref=ref, kl_coef=spec.kl_coef, entropy=entropy)
+                self.engine.backward(out.loss, scale_wrt_gas=False)
             if k == self.n_micro - 1:
                 grad_norm = self._grad_norm()
-            self.engine.step()
+            # DeepSpeed steps the optimizer at the last micro-batch (the accumulation boundary)
+            with tracing.span("learner.optimizer" if k == self.n_micro - 1 else "learner.accumulate"):
+                self.engine.step()
             sums["loss"] += float(out.loss.detach())
             sums["clipped"] += out.clipped_sum
             sums["approx_kl"] += out.approx_kl_sum

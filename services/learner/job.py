@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
 import hashlib
 import logging
@@ -34,6 +35,7 @@ from opentinker.schemas import (
     Trajectory, WeightsPublished, decode,
 )
 from opentinker.schemas import subjects as S
+from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.models import resolve_model
@@ -130,8 +132,10 @@ class JobRun:
 
     async def in_engine(self, fn, *args):
         """Run blocking engine work on the engine thread; the event loop stays free
-        for heartbeats and NATS pings."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        for heartbeats and NATS pings. The current trace context goes along (spans made
+        there are children of the caller's)."""
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self.executor, ctx.run, fn, *args)
 
     def check_live(self) -> None:
         if self.cancelled.is_set():
@@ -291,7 +295,12 @@ class JobRun:
                              group_seed=group_seed(spec.seed, step, i), policy_version=self.version,
                              model=spec.model, env=spec.env, env_args=spec.env_args,
                              group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine)
-        await self.bus.publish(self.rollout_subject(i), req, msg_id=self.publish_id(rid))
+        # the root of the group's trace: rollout, envhost and this learner's
+        # trajectory spans follow it through the message headers
+        with tracing.span("learner.request", kind=tracing.SpanKind.PRODUCER,
+                          attrs={"ot.job_id": self.job_id, "ot.step": step, "ot.group_index": i,
+                                 "ot.request_id": rid, "ot.policy_version": self.version}):
+            await self.bus.publish(self.rollout_subject(i), req, msg_id=self.publish_id(rid))
 
     async def request_rollouts(self) -> None:
         """Ask for every step up to `step + max_staleness` not asked for yet."""
@@ -331,6 +340,12 @@ class JobRun:
         return 0 <= lag <= self.spec.max_staleness
 
     async def on_trajectory(self, m: Msg) -> None:
+        # continues the episode's trace (rollout -> envhost -> here)
+        with tracing.span("learner.trajectory", parent=tracing.extract(m.headers), kind=tracing.SpanKind.CONSUMER,
+                          attrs={"ot.job_id": self.job_id, "ot.stream_seq": m.metadata.sequence.stream}) as sp:
+            await self._on_trajectory(m, sp)
+
+    async def _on_trajectory(self, m: Msg, sp) -> None:
         seq = m.metadata.sequence.stream
         if seq in self.seen:
             return  # redelivered while held; the first delivery is acked with its step
@@ -341,6 +356,8 @@ class JobRun:
         traj = await self.bus.decode_or_dead_letter(m, Trajectory)
         if traj is None:
             return
+        sp.set_attributes({"ot.episode_id": traj.episode_id, "ot.step": traj.step,
+                           "ot.policy_version": traj.policy_version, "ot.reward": traj.reward})
         if parse_eval_request_id(self.job_id, traj.request_id) is not None:
             await self.on_eval_trajectory(traj, m)
             return
@@ -437,11 +454,16 @@ class JobRun:
         return group_advantages(rewards.view(G, N)).view(-1).tolist()
 
     def _train_blocking(self, trajs: list[Trajectory]) -> dict[str, float]:
-        adv = self.advantages(trajs)
-        batches = micro_batches(trajs, adv, self.spec.micro_batch_size, self.engine.pad_id)
+        with tracing.span("learner.batch", attrs={"ot.episodes": len(trajs)}):
+            adv = self.advantages(trajs)
+            batches = micro_batches(trajs, adv, self.spec.micro_batch_size, self.engine.pad_id)
         return self.engine.train_step(batches)
 
     async def train(self, groups: list[list[Held]]) -> None:
+        with tracing.span("learner.step", attrs={"ot.job_id": self.job_id, "ot.step": self.step}):
+            await self._train(groups)
+
+    async def _train(self, groups: list[list[Held]]) -> None:
         t_start = time.monotonic() - self.stats.wait_s
         held = [h for g in groups for h in g]
         trajs = [h.traj for h in held]
@@ -471,6 +493,11 @@ class JobRun:
         self.stats = StepStats()
 
     async def publish_weights(self) -> None:
+        with tracing.span("learner.publish_weights", attrs={"ot.job_id": self.job_id,
+                                                            "ot.policy_version": self.version}):
+            await self._publish_weights()
+
+    async def _publish_weights(self) -> None:
         data = await self.in_engine(self.engine.weights_bytes)
         v = self.version
         name = f"{self.job_id}/v{v}"

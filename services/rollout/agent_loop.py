@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -42,6 +42,7 @@ from opentinker.schemas import (
     Trajectory,
     TurnRecord,
 )
+from opentinker.services.core import tracing
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class _Episode:
     error: str = ""
     gen_ms: float = 0.0
     env_ms: float = 0.0
+    span: Any = None  # rollout.episode (tracing.py), from reset to the trajectory
 
     def fail(self, error: str) -> None:
         self.error = error
@@ -200,6 +202,7 @@ class _Group:
     req: RolloutRequest
     episodes: list[_Episode]
     done: bool = False
+    span: Any = None
 
 
 PolicyVersion = Callable[[], Awaitable[int]]
@@ -220,9 +223,11 @@ class AgentLoop:
         self.worker = worker
         self.executor = executor
         self.renderer = ChatRenderer(engine.tokenizer)
+        self.spans: dict[str, Any] = {}  # episode id -> its rollout.episode span
 
     async def run(self, requests: Sequence[RolloutRequest], policy_version: PolicyVersion,
-                  on_group_done: GroupDone | None = None) -> list[list[Trajectory]]:
+                  on_group_done: GroupDone | None = None,
+                  parents: Mapping[str, Any] | None = None) -> list[list[Trajectory]]:
         """Run every request's group to the end; returns one list of `group_size`
         trajectories per request, in order.
 
@@ -230,10 +235,21 @@ class AgentLoop:
         engine holds the policy to use and returns its version (recorded per turn).
         on_group_done: awaited as soon as a group's episodes have all ended (publish
         and ack there, before slower groups finish).
+        parents: request id -> the trace context its message carried (tracing.py);
+        each group's span continues it, and each episode's span is the group's child.
         Env failures end the affected episodes with `error` set; engine errors raise.
         """
         groups = [_Group(r, [_Episode(r, i, episode_id(r.request_id, i)) for i in range(r.group_size)])
                   for r in requests]
+        for g in groups:
+            r = g.req
+            g.span = tracing.start("rollout.group", (parents or {}).get(r.request_id),
+                                   {"ot.job_id": r.job_id, "ot.request_id": r.request_id, "ot.step": r.step,
+                                    "ot.group_index": r.group_index, "ot.env": r.env})
+            for e in g.episodes:
+                e.span = tracing.start("rollout.episode", tracing.child_of(g.span),
+                                       {"ot.episode_id": e.episode_id, "ot.job_id": r.job_id, "ot.step": r.step})
+                self.spans[e.episode_id] = e.span
         results: dict[int, list[Trajectory]] = {}
 
         async def finish_ready() -> None:
@@ -242,7 +258,9 @@ class AgentLoop:
                     g.done = True
                     results[gi] = [self._trajectory(e) for e in g.episodes]
                     if on_group_done is not None:
-                        await on_group_done(g.req, results[gi])
+                        with tracing.within(g.span):
+                            await on_group_done(g.req, results[gi])
+                    g.span.end()
 
         await asyncio.gather(*(self._start(g) for g in groups))
         await finish_ready()
@@ -250,9 +268,12 @@ class AgentLoop:
             version = await policy_version()
             limits = [self._budget(e.req) - len(e.token_ids) for e in active]
             t0 = time.perf_counter()
-            outs = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.engine.generate,
-                [e.token_ids for e in active], [e.req.sampling for e in active], limits)
+            # one batched call for many episodes: its own span, linked to each of them
+            with tracing.span("rollout.generate", attrs={"ot.prompts": len(active), "ot.policy_version": version},
+                              links=[tracing.link(e.span) for e in active]):
+                outs = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self.engine.generate,
+                    [e.token_ids for e in active], [e.req.sampling for e in active], limits)
             gen_ms = (time.perf_counter() - t0) * 1e3
             if len(outs) != len(active):
                 raise RuntimeError(f"engine returned {len(outs)} completions for {len(active)} prompts")
@@ -266,8 +287,9 @@ class AgentLoop:
     async def _start(self, g: _Group) -> None:
         r = g.req
         try:
-            init = await self.env.init(EnvInitRequest(env=r.env, env_args=r.env_args,
-                                                      seed=r.group_seed, split=r.split))
+            with tracing.within(g.span), tracing.span("rollout.env_init", kind=tracing.SpanKind.CLIENT):
+                init = await self.env.init(EnvInitRequest(env=r.env, env_args=r.env_args,
+                                                          seed=r.group_seed, split=r.split))
             error = f"env init: {init.error}" if init.error else ""
         except EnvError as e:
             init, error = None, f"env init: {e}"
@@ -281,8 +303,9 @@ class AgentLoop:
         r = e.req
         t0 = time.perf_counter()
         try:
-            reply = await self.env.reset(EnvResetRequest(env=r.env, episode_id=e.episode_id,
-                                                         env_args=r.env_args, state=state))
+            with tracing.within(e.span), tracing.span("rollout.env_reset", kind=tracing.SpanKind.CLIENT):
+                reply = await self.env.reset(EnvResetRequest(env=r.env, episode_id=e.episode_id,
+                                                             env_args=r.env_args, state=state))
         except EnvError as err:
             e.fail(f"env reset: {err}")
             return
@@ -321,7 +344,9 @@ class AgentLoop:
         t0 = time.perf_counter()
         reply: EnvStepReply | None = None
         try:
-            reply = await self.env.step(e.host_id, EnvStepRequest(episode_id=e.episode_id, action=action))
+            with tracing.within(e.span), tracing.span("rollout.env_step", kind=tracing.SpanKind.CLIENT,
+                                                      attrs={"ot.turn": len(e.turns)}):
+                reply = await self.env.step(e.host_id, EnvStepRequest(episode_id=e.episode_id, action=action))
         except EnvError as err:
             e.error = f"env step: {err}"
         env_ms = (time.perf_counter() - t0) * 1e3
@@ -359,12 +384,17 @@ class AgentLoop:
         if not e.host_id:
             return
         try:
-            await self.env.close(e.host_id, EnvCloseRequest(episode_id=e.episode_id))
+            with tracing.within(e.span):
+                await self.env.close(e.host_id, EnvCloseRequest(episode_id=e.episode_id))
         except EnvError:
             pass  # best effort: a close only frees the host early; the trajectory is complete
 
     def _trajectory(self, e: _Episode) -> Trajectory:
         r = e.req
+        if e.span is not None:
+            e.span.set_attributes({"ot.reward": sum(t.reward for t in e.turns), "ot.turns": len(e.turns),
+                                   "ot.tokens": len(e.token_ids), **({"ot.error": e.error} if e.error else {})})
+            e.span.end()
         return Trajectory(
             job_id=r.job_id, request_id=r.request_id, episode_id=e.episode_id, step=r.step,
             group_index=r.group_index, group_size=r.group_size,

@@ -69,6 +69,7 @@ from opentinker.schemas import (
     encode,
 )
 from opentinker.schemas import subjects as S
+from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import Heartbeat, default_worker_id, machine_capacity
@@ -352,6 +353,12 @@ class RolloutWorker:
         ident = (job_id, ev.policy_version, ev.sha256) if ev else BASE
         if slot.holding == ident:
             return ident[1]
+        with tracing.span("rollout.load_policy", attrs={"ot.job_id": job_id, "ot.policy_version": ident[1],
+                                                        "ot.kind": ev.kind if ev else "base"}):
+            return await self._load_policy(slot, job_id, ev, ident)
+
+    async def _load_policy(self, slot: EngineSlot, job_id: str, ev: WeightsPublished | None,
+                           ident: PolicyId) -> int:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         max_rank = getattr(slot.engine, "max_lora_rank", 0)
@@ -548,9 +555,13 @@ class RolloutWorker:
             tp = (m.headers or {}).get(S.H_TRACEPARENT)
             for t in trajs:
                 # the stream dedups msg ids across all jobs; request ids are only
-                # known to be unique within one
-                await self.bus.publish(S.job(job_id, "traj"), t, msg_id=f"{job_id}:{t.episode_id}",
-                                       traceparent=tp)
+                # known to be unique within one. The trajectory carries its episode's
+                # trace context on to the learner.
+                with tracing.within(loop.spans.get(t.episode_id)), tracing.span(
+                        "rollout.publish_trajectory", kind=tracing.SpanKind.PRODUCER,
+                        attrs={"ot.episode_id": t.episode_id}):
+                    await self.bus.publish(S.job(job_id, "traj"), t, msg_id=f"{job_id}:{t.episode_id}",
+                                           traceparent=tp)
             await m.ack()
             pending.pop(id(m), None)
 
@@ -558,7 +569,8 @@ class RolloutWorker:
         t0 = time.perf_counter()
         try:
             async with slot.lock:
-                await loop.run(reqs, policy_version, publish)
+                await loop.run(reqs, policy_version, publish,
+                               parents={r.request_id: tracing.extract(m.headers) for r, m in items})
         except WeightsError as e:
             for _, m in items:
                 if pending.pop(id(m), None) is not None:

@@ -2,6 +2,11 @@
 random-init model, a job submitted through the SDK, finished in a few steps, and its
 episodes in the Parquet log."""
 
+import asyncio
+import json
+import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -23,7 +28,7 @@ def _spec(model: str, env: str, engine: str, **kw) -> dict:
     }
 
 
-async def _run_job(services, nats_url, tmp_path, spec, job_id, timeout_s=420):
+async def _run_job(services, nats_url, tmp_path, spec, job_id, timeout_s=420, wandb_dir=None):
     data_dir = tmp_path / "log"
     for name in ("scheduler", "envhost", "learner"):
         services.start(name)
@@ -32,19 +37,81 @@ async def _run_job(services, nats_url, tmp_path, spec, job_id, timeout_s=420):
     client = await Client.connect(nats_url)
     try:
         job = await submit_when_ready(client, spec, job_id)
+        bridge = None
+        if wandb_dir is not None:  # the wandb bridge follows the job beside the test
+            from opentinker.sdk.wandb_bridge import WandbBridge
+
+            bridge = asyncio.ensure_future(WandbBridge(client, job.id, dir=wandb_dir, mode="offline").follow())
         steps = [m.step for m in await follow(job, timeout_s, services)]
         rec = await job.wait(timeout_s=30, raise_on_failure=False)
         assert rec.state == JobState.COMPLETED, (rec, services.logs())
+        if bridge is not None:
+            assert (await asyncio.wait_for(bridge, 60)).state == JobState.COMPLETED
         return rec, steps, data_dir, client
     except BaseException:
         await client.close()
         raise
 
 
+def wandb_history(wandb_dir, run_id: str) -> list[dict]:
+    """The history rows of the offline wandb run `run_id` under `wandb_dir`, read back
+    from its run file: W&B's record log (the LevelDB log format: a 7-byte file header,
+    32 KiB blocks of chunks, each with a 7-byte header of crc32, length and type) of
+    protobuf Records."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7])[:2] == (b":W&B", 0xBEE1)
+    rows, pos, buf, block = [], 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block  # a block's tail too short for a header is padding
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return rows
+
+
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job_id, engine, bus):
     spec = _spec(tiny_model, "arith", engine)
-    rec, steps, data_dir, client = await _run_job(services, nats_url, tmp_path, spec, job_id)
+    # `opentinker tail` on the running job (with the hf engine): decoded messages as JSON
+    tail = subprocess.Popen([sys.executable, "-m", "opentinker.sdk.cli", "--nats-url", nats_url, "tail",
+                             f"ot.job.{job_id}.>", "--short"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True) if engine == "hf" else None
+    wandb_dir = tmp_path / "wb" if engine == "hf" else None
+    rec, steps, data_dir, client = await _run_job(services, nats_url, tmp_path, spec, job_id, wandb_dir=wandb_dir)
+    if wandb_dir is not None:
+        # the offline run, named after the job, holds every step's learner metrics
+        history = wandb_history(wandb_dir, job_id)
+        train = {int(h["_step"]): h for h in history if "train/reward_mean" in h}
+        assert sorted(train) == [0, 1]
+        assert all({"train/loss", "train/kl", "train/policy_lag_mean", "train/tokens_per_s"} <= h.keys()
+                   for h in train.values())
+        assert all("rollout/env_ms_per_turn" in h and "rollout/gen_tokens_per_s" in h for h in train.values())
+    if tail is not None:
+        # `opentinker watch` on the finished job: the whole run, then its end
+        out = subprocess.run([sys.executable, "-m", "opentinker.sdk.cli", "--nats-url", nats_url, "watch", job_id],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and f"{job_id} completed" in out.stdout and "2/2" in out.stdout, out.stdout
+        tail.terminate()
+        lines = [json.loads(line) for line in tail.communicate(timeout=30)[0].splitlines()]
+        schemas = {r["schema"] for r in lines}
+        assert {"Trajectory", "Metrics", "JobStateChanged", "WeightsPublished"} <= schemas, schemas
+        metrics = [r["data"] for r in lines if r["schema"] == "Metrics" and r["data"]["split"] == "train"]
+        assert sorted(m["step"] for m in metrics) == [0, 1] and "reward_mean" in metrics[0]["values"]
+        traj = next(r for r in lines if r["schema"] == "Trajectory")
+        assert traj["subject"] == f"ot.job.{job_id}.traj" and traj["data"]["job_id"] == job_id
+        ids = traj["data"]["token_ids"]  # --short: 8 ids, then how many more
+        assert len(ids) == 9 and all(isinstance(t, int) for t in ids[:8]) and ids[8].startswith("... ")
     try:
         assert steps == [0, 1]
         # two new policy versions were published, with their bytes in the object store
