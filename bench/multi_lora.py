@@ -1,8 +1,9 @@
 """Two LoRA jobs sharing one vLLM rollout engine: vLLM multi-LoRA (adapters applied per
 request) against merging each job's adapter into the weights at every job switch (the
 path for engines without multi-LoRA), side by side in one run on the same model, the
-same adapters and the same prompts. Also the cost of enabling LoRA for a request with
-no adapter (full-weight jobs on such an engine).
+same adapters and the same prompts. As in training, every job switch brings a new
+policy version. Also the cost of enabling LoRA for a request with no adapter
+(full-weight jobs on such an engine).
 
     .venv/bin/python bench/multi_lora.py [--model smollm2-135m-instruct] [--rounds 6]
 
@@ -75,16 +76,19 @@ def run_mode(mode: str, model_dir: str, jobs: list[dict], rounds: int, out: Path
     base_tps = tokens / secs
     pairs = [lora_pairs(load_file(j["path"])) for j in jobs]
     switch_s, gen_s, gen_tokens = 0.0, 0.0, 0
+    previous: dict[int, str] = {}
     for r in range(rounds):
+        # as in training: every round is a new policy version of job i (lora_B moved)
         i = r % len(jobs)
+        version = {k: (a, b * (1.0 + 0.01 * r)) for k, (a, b) in pairs[i].items()}
         t = time.perf_counter()
         if mode == "native":
-            folder = out / f"adapter{i}"
-            if not folder.exists():
-                write_peft_adapter(base, pairs[i], jobs[i]["alpha"], jobs[i]["rank"], folder)
-            engine.use_lora(str(folder))
+            folder = out / f"{mode}-job{i}-v{r}"
+            write_peft_adapter(base, version, jobs[i]["alpha"], jobs[i]["rank"], folder)
+            engine.use_lora(str(folder), drop=previous.get(i))
+            previous[i] = str(folder)
         else:
-            new = merge_lora(base, pairs[i], lora_scale(jobs[i]["alpha"], jobs[i]["rank"], pairs[i]))
+            new = merge_lora(base, version, lora_scale(jobs[i]["alpha"], jobs[i]["rank"], version))
             engine.load_weights(held.plan(new))
             held.commit(new)
         switch_s += time.perf_counter() - t

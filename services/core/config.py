@@ -29,8 +29,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_id: str = ""
     pool: str = "default"         # the worker pool a scheduler places on and a worker joins
     rollout_slots: int = 4        # jobs one rollout worker serves at once (one adapter each)
-    # vLLM multi-LoRA: adapters up to this rank are applied by vLLM per request, one
-    # loaded per job slot (0: merge every adapter into the weights instead)
+    # vLLM multi-LoRA: adapters up to `lora_max_rank` are applied by vLLM per request,
+    # one loaded per job slot, instead of merged into the weights at each job switch.
+    # "auto": on with CUDA; off on CPU, where vLLM's LoRA kernels made generation
+    # several times slower than merging (bench/multi_lora.py, results in README)
+    vllm_multi_lora: Literal["auto", "on", "off"] = "auto"
     lora_max_rank: int = 64
     # a rollout worker's OpenAI-compatible endpoint for inference jobs (-1: none, 0: a
     # free port); `serve_url` is what it advertises (default http://<serve_host>:<port>)

@@ -457,6 +457,11 @@ class RolloutWorker:
                  time.perf_counter() - t0, self.device)
         return self.engines[key]
 
+    def multi_lora(self) -> bool:
+        """Whether vLLM engines apply adapters per request (settings.vllm_multi_lora)."""
+        mode = self.settings.vllm_multi_lora
+        return self.settings.lora_max_rank > 0 and (mode == "on" or (mode == "auto" and self.device == "cuda"))
+
     def _make_engine(self, kind: str, model_dir: str) -> Any:
         if kind == "vllm":
             from opentinker.services.rollout.engine_vllm import VLLMEngine
@@ -465,7 +470,7 @@ class RolloutWorker:
             dtype = "bfloat16" if self.device == "cuda" else "float32"
             return VLLMEngine(model_dir, device=self.device, dtype=dtype, seed=self.seed,
                               max_model_len=MAX_MODEL_LEN,
-                              max_loras=self.settings.rollout_slots if self.settings.lora_max_rank > 0 else 0,
+                              max_loras=self.settings.rollout_slots if self.multi_lora() else 0,
                               max_lora_rank=self.settings.lora_max_rank)
         from opentinker.services.rollout.engine_hf import HFEngine
 

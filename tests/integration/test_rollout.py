@@ -133,7 +133,9 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
     env = f"count-{job_id}"
     subs = await serve_game(bus, env, host_id=f"h-{job_id}")
     traj_sub = await bus.pull("OT_TRAJ", f"traj-{job_id}", S.job(job_id, "traj"))
-    services.start("rollout", f"engine={engine}", f"worker_id=w-{job_id}")
+    # with vLLM, its multi-LoRA path (off by default on CPU, see bench/multi_lora.py)
+    services.start("rollout", f"engine={engine}", f"worker_id=w-{job_id}",
+                   *(["vllm_multi_lora=on"] if engine == "vllm" else []))
     tok = AutoTokenizer.from_pretrained(tiny_model)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
 
