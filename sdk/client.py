@@ -62,7 +62,7 @@ def default_api_key() -> str:
     return p.read_text().strip() if p.is_file() else ""
 
 
-_HISTORY_STREAMS = {"events": "OT_EVENTS", "metrics": "OT_METRICS"}
+_HISTORY = ("events", "metrics")  # the families the REST API serves history of
 
 
 class Reader:
@@ -97,7 +97,7 @@ class BusReader(Reader):
         return [decode(value, JobRecord) for value, _ in (await self.bus.kv_values(S.KV_JOBS)).values()]
 
     async def history(self, job_id: str, family: str, kind: type) -> list:
-        return await self.bus.read_subject(_HISTORY_STREAMS[family], S.job(job_id, family), kind)
+        return await self.bus.read_subject(S.job(job_id, family), kind)
 
 
 class RestReader(Reader):
@@ -128,7 +128,7 @@ class RestReader(Reader):
         return await self._get("/jobs", list[JobRecord])
 
     async def history(self, job_id: str, family: str, kind: type) -> list:
-        if family not in _HISTORY_STREAMS:
+        if family not in _HISTORY:
             raise ValueError(f"no history of {family!r}")
         return await self._get(f"/jobs/{S.check_job_id(job_id)}/{family}", list[kind])
 
@@ -307,18 +307,16 @@ class Client:
         the server refuses the key, AuthenticationError with no key."""
         import os
 
+        from opentinker.services.core.bus import default_nats_url, service_credentials
         from opentinker.services.core.natsauth import user_inbox_prefix
         from opentinker.services.scheduler.users import key_id
 
-        from opentinker.services.core.bus import service_credentials
-
         key = default_api_key() if api_key is None else api_key
-        url = nats_url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
-        creds = service_credentials(url)
-        if creds:
-            return cls(await Bus.connect(url, "sdk", **creds), key)
+        url = default_nats_url(nats_url)
         api_url = api_url if api_url is not None else os.environ.get("OPENTINKER_API_URL", "")
-        if not api_url:  # a bus without the REST API: JetStream directly
+        if service_credentials(url) or not api_url:
+            # a service (Bus.connect uses those credentials), or a bus without the REST
+            # API: records and history straight from JetStream
             return cls(await Bus.connect(url, "sdk"), key)
         if not key:
             raise AuthenticationError("no API key: pass api_key=, set OPENTINKER_API_KEY or OPENTINKER_API_KEY_FILE")
@@ -356,15 +354,17 @@ class Client:
         await self.close()
 
     async def submit(self, spec: JobSpec | dict[str, Any], job_id: str = "",
-                     timeout_s: float = 10.0, kind: str = "train") -> Job:
+                     timeout_s: float = 10.0, kind: str = "train", policy_of: str = "") -> Job:
         """Submit a job. `spec` is a JobSpec or plain data (a parsed TOML file). `kind`
-        "inference" asks for rollout workers only (see `infer`, `submit_inference_job`).
+        "inference" asks for rollout workers only (see `infer`, `submit_inference_job`);
+        with `policy_of` it runs that train job's newest policy as its version 1.
 
         Raises SpecError naming the field when the spec (locally or at the scheduler) is
         invalid, AuthenticationError when the API key is refused,
         nats.errors.NoRespondersError when no scheduler runs.
         """
-        return (await self._submit(SubmitJob(spec=_spec(spec), job_id=job_id, kind=kind), timeout_s))[0]
+        cmd = SubmitJob(spec=_spec(spec), job_id=job_id, kind=kind, policy_of=policy_of)
+        return (await self._submit(cmd, timeout_s))[0]
 
     async def _submit(self, cmd: SubmitJob, timeout_s: float) -> tuple[Job, SubmitReply]:
         cmd = msgspec.structs.replace(cmd, api_key=self.api_key)

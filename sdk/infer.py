@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from nats.js.errors import NotFoundError
 
 from opentinker.schemas import (
     DeadLetter,
@@ -45,6 +44,7 @@ from opentinker.schemas import (
     decode,
 )
 from opentinker.schemas import subjects as S
+from opentinker.schemas.job import SpecError
 
 if TYPE_CHECKING:
     from opentinker.sdk.client import Client
@@ -145,29 +145,19 @@ def write_results(out_dir: str | Path, trajs: list[Trajectory], summary: dict[st
     return out
 
 
-async def _announce_policy(client: Client, run_id: str, adapter: str | None, job: str | None) -> int:
-    """Publish the run's policy as weight event v1; returns its policy version (0 = base)."""
+async def _announce_adapter(client: Client, run_id: str, adapter: str) -> None:
+    """Publish a local peft adapter as the run's weight event v1. (A job's policy is
+    copied by the scheduler instead: SubmitJob.policy_of.)"""
     bus = client.bus
-    if adapter:
-        data, cfg = read_adapter(adapter)
-        name = f"{run_id}/v1"
-        await bus.put_object(S.OBJ_WEIGHTS, name, data)
-        ev = WeightsPublished(job_id=run_id, policy_version=1, kind="lora",
-                              uri=f"nats-os://{S.OBJ_WEIGHTS}/{name}",
-                              sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
-                              lora_rank=int(cfg["r"]), lora_alpha=int(cfg.get("lora_alpha", cfg["r"])),
-                              target_modules=list(cfg.get("target_modules") or []), time_s=time.time())
-    elif job:
-        try:
-            raw = await bus.js.get_last_msg("OT_WEIGHTS", S.job(S.check_job_id(job), "weights"))
-        except NotFoundError:
-            raise InferError(f"job: {job!r} has published no weights (no such job, or not trained yet)") from None
-        src = decode(raw.data, WeightsPublished)
-        ev = msgspec.structs.replace(src, job_id=run_id, policy_version=1, time_s=time.time())
-    else:
-        return 0
+    data, cfg = read_adapter(adapter)
+    name = f"{run_id}/v1"
+    await bus.put_object(S.OBJ_WEIGHTS, name, data)
+    ev = WeightsPublished(job_id=run_id, policy_version=1, kind="lora",
+                          uri=f"nats-os://{S.OBJ_WEIGHTS}/{name}",
+                          sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                          lora_rank=int(cfg["r"]), lora_alpha=int(cfg.get("lora_alpha", cfg["r"])),
+                          target_modules=list(cfg.get("target_modules") or []), time_s=time.time())
     await bus.publish(S.job(run_id, "weights"), ev, msg_id=f"{run_id}-w1")
-    return 1
 
 
 async def infer(client: Client, *, env: str, model: str | None = None, adapter: str | None = None,
@@ -201,11 +191,19 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
             raise InferError(f"job: no job {job!r} on this bus") from None
     model = model or "smollm2-135m-instruct"
     sampling = sampling or SamplingParams(temperature=0.0, max_new_tokens=256, max_total_tokens=2048)
-    version = await _announce_policy(client, run_id, adapter, job)
+    if adapter:
+        await _announce_adapter(client, run_id, adapter)
+    version = 1 if adapter or job else 0
 
     t0 = time.monotonic()
-    placed = await client.submit(JobSpec(name="infer", model=model, env=env, engine=engine,
-                                         env_args=dict(env_args or {})), job_id=run_id, kind="inference")
+    try:
+        placed = await client.submit(JobSpec(name="infer", model=model, env=env, engine=engine,
+                                             env_args=dict(env_args or {})), job_id=run_id, kind="inference",
+                                     policy_of=S.check_job_id(job) if job else "")
+    except SpecError as e:
+        if e.field != "policy_of":
+            raise
+        raise InferError(f"job: {e} (no such job, or not trained yet)") from None
     requests = [RolloutRequest(job_id=run_id, request_id=f"{run_id}-g{g}", step=0, group_index=g,
                                group_seed=episode_seed(seed, g), policy_version=version, model=model,
                                env=env, env_args=dict(env_args or {}), group_size=group_size,

@@ -9,7 +9,6 @@ by the command that needs them.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -178,5 +177,4 @@ async def watch(client, job_id: str, console, refresh_s: float = 0.5) -> Any:
         state = rec.state.value
         live.update(Group(progress, table()))
     console.print(f"{job_id} {state} after {time.monotonic() - t0:.0f} s: {rec.reason}")
-    await asyncio.sleep(0)
     return rec

@@ -74,6 +74,16 @@ def _overlap(a: str, b: str) -> bool:
     return True
 
 
+def default_nats_url(url: str | None = None) -> str:
+    """`url`, else $NATS_URL, else nats://127.0.0.1:4222."""
+    return url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
+
+
+def streams_of(subject: str) -> list[str]:
+    """The streams (schemas.subjects.STREAMS) that can hold messages on `subject`."""
+    return [stream for stream, (subjects, _) in S.STREAMS.items() if any(_overlap(subject, x) for x in subjects)]
+
+
 def service_credentials(url: str) -> dict[str, str]:
     """nats.connect arguments of the service identity (natsauth.py): `$NATS_NKEY` (an
     nkey seed file), `$NATS_CREDS` (a creds file), or, when `url` is the NATS of the
@@ -115,7 +125,7 @@ class Bus:
         `service_credentials(url)`, else the URL's (nats://user:pass@host).
         Raises nats.errors.NoServersError when no server answers.
         """
-        url = url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
+        url = default_nats_url(url)
         if not {"token", "nkeys_seed", "user_credentials"} & kw.keys():
             kw.update(service_credentials(url))
         nc = await nats.connect(
@@ -237,38 +247,37 @@ class Bus:
         store = await self.objects(bucket)
         return (await store.get(name)).data
 
-    async def read_subject(self, stream: str, subject: str, kind: type[T], limit: int = 10_000) -> list[T]:
-        """The messages of `subject` held in `stream`, oldest first, decoded as `kind`
-        (at most `limit`; undecodable ones skipped). No consumer is made: each is a
-        direct "next by subject" get."""
+    async def read_subject(self, subject: str, kind: type[T], limit: int = 10_000) -> list[T]:
+        """The messages the streams hold on `subject`, oldest first, decoded as `kind`
+        (at most `limit`; undecodable ones skipped). See `read_raw`."""
         out: list[T] = []
-        for raw in await self._stream_msgs(stream, subject, limit):
+        for raw in await self.read_raw(subject, limit):
             with contextlib.suppress(msgspec.MsgspecError):
                 out.append(decode(raw.data, kind))
         return out
 
-    async def _stream_msgs(self, stream: str, subject: str, limit: int) -> list:
-        """The raw messages of `subject` in `stream`, oldest first, by direct "next by
-        subject" gets (no consumer)."""
-        out: list = []
-        seq = 1
-        while len(out) < limit:
-            try:
-                raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                break
-            out.append(raw)
-            seq = raw.seq + 1
-        return out
-
     async def read_raw(self, subject: str, limit: int = 100_000) -> list:
         """Every message the streams hold on `subject` (wildcards allowed), oldest first
-        within each stream, undecoded (RawStreamMsg: subject, headers, data, seq)."""
+        within each stream, undecoded (RawStreamMsg: subject, headers, data, seq). No
+        consumer is made: each is a direct "next by subject" get."""
         out: list = []
-        for stream, (subjects, _) in S.STREAMS.items():
-            if any(_overlap(subject, s) for s in subjects):
-                out += await self._stream_msgs(stream, subject, limit - len(out))
+        for stream in streams_of(subject):
+            seq = 1
+            while len(out) < limit:
+                try:
+                    raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+                except NotFoundError:
+                    break
+                out.append(raw)
+                seq = raw.seq + 1
         return out
+
+    async def last_message(self, subject: str):
+        """The newest message a stream holds on `subject` (RawStreamMsg), or None."""
+        for stream in streams_of(subject):
+            with contextlib.suppress(NotFoundError):
+                return await self.js.get_last_msg(stream, subject)
+        return None
 
     # -- publish / request ----------------------------------------------------
 

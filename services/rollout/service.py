@@ -279,9 +279,8 @@ class RolloutWorker:
             self._weights_seen.notify_all()
 
     async def _last_event(self, job_id: str) -> None:
-        try:
-            raw = await self.bus.js.get_last_msg(WEIGHTS_STREAM, S.job(job_id, "weights"))
-        except NotFoundError:
+        raw = await self.bus.last_message(S.job(job_id, "weights"))
+        if raw is None:
             return
         try:
             ev = decode(raw.data, WeightsPublished)

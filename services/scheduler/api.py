@@ -157,7 +157,7 @@ def make_app(sched: "Scheduler") -> FastAPI:
                           limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> list[dict[str, Any]]:
         """The job's metrics (one per training step, one per evaluation), oldest first."""
         await own_job(job_id, user)
-        got = await sched.bus.read_subject("OT_METRICS", S.job(job_id, "metrics"), Metrics, limit)
+        got = await sched.bus.read_subject(S.job(job_id, "metrics"), Metrics, limit)
         return [as_json(m) for m in got if split is None or m.split == split]
 
     @app.get("/v1/jobs/{job_id}/events", tags=["jobs"])
@@ -165,7 +165,7 @@ def make_app(sched: "Scheduler") -> FastAPI:
                          limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> list[dict[str, Any]]:
         """The job's state changes (its log), oldest first."""
         await own_job(job_id, user)
-        got = await sched.bus.read_subject("OT_EVENTS", S.job(job_id, "events"), JobStateChanged, limit)
+        got = await sched.bus.read_subject(S.job(job_id, "events"), JobStateChanged, limit)
         return [as_json(e) for e in got]
 
     @app.get("/v1/workers", tags=["workers"])

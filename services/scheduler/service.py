@@ -143,16 +143,13 @@ class Scheduler:
         if user.role == "admin":
             return user.name, None, key_id(token)
         now = time.time()
-        jobs = []
-        for value, _ in (await self.bus.kv_values(S.KV_JOBS)).values():
-            with contextlib.suppress(msgspec.MsgspecError):
-                rec = decode(value, JobRecord)
-                if rec.user == user.name and (not rec.state.terminal or now - rec.updated_s < GRANT_FINISHED_S):
-                    jobs.append(rec.job_id)
+        jobs = [rec.job_id for rec, _ in await self.records(every_pool=True)
+                if rec.user == user.name and (not rec.state.terminal or now - rec.updated_s < GRANT_FINISHED_S)]
         return user.name, jobs, key_id(token)
 
-    async def records(self) -> list[tuple[JobRecord, int]]:
-        """Every record of this scheduler's pool."""
+    async def records(self, every_pool: bool = False) -> list[tuple[JobRecord, int]]:
+        """Every readable record of this scheduler's pool (of every pool, with
+        `every_pool`)."""
         out = []
         for key, (value, rev) in (await self.bus.kv_values(S.KV_JOBS)).items():
             try:
@@ -160,7 +157,7 @@ class Scheduler:
             except msgspec.MsgspecError as e:
                 log.warning("unreadable job record %s: %s", key, e)
                 continue
-            if rec.pool == self.pool:
+            if every_pool or rec.pool == self.pool:
                 out.append((rec, rev))
         return out
 
@@ -232,10 +229,12 @@ class Scheduler:
         got = await self.record(source) if JOB_ID_RE.match(source) else None
         if got is None or not visible(got[0], user):
             return SubmitReply(ok=False, error=f"no job {source}", field="policy_of")
+        raw = await self.bus.last_message(S.job(source, "weights"))
         try:
-            raw = await self.bus.js.get_last_msg("OT_WEIGHTS", S.job(source, "weights"))
-            ev = decode(raw.data, WeightsPublished)
-        except (NotFoundError, msgspec.MsgspecError):
+            ev = decode(raw.data, WeightsPublished) if raw is not None else None
+        except msgspec.MsgspecError:
+            ev = None
+        if ev is None:
             return SubmitReply(ok=False, error=f"job {source} has published no weights yet", field="policy_of")
         return msgspec.structs.replace(ev, job_id=job_id, policy_version=1, time_s=time.time())
 

@@ -128,7 +128,7 @@ async def test_users_reach_only_their_own_job_subjects(secured, tiny_model, job_
         assert events[-1] == JobState.COMPLETED and JobState.RUNNING in events
 
         # a service saw alice's metrics on the bus; bob's connection was given none of them
-        on_bus = await service.read_subject("OT_METRICS", f"ot.job.{job_id}.metrics", Metrics)
+        on_bus = await service.read_subject(f"ot.job.{job_id}.metrics", Metrics)
         assert sorted(m.step for m in on_bus if m.split == "train") == [0, 1]
         assert got == [], got
         await nc.close()
