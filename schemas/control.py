@@ -13,7 +13,7 @@ from typing import Literal
 
 import msgspec
 
-from opentinker.schemas.base import Message
+from opentinker.schemas.base import Count, Message
 from opentinker.schemas.job import JobSpec
 from opentinker.schemas.pool import Placement
 
@@ -80,7 +80,7 @@ class JobAssigned(Message, frozen=True, kw_only=True):
 
     job_id: str
     spec: JobSpec
-    attempt: int = 0
+    attempt: Count = 0
     rollout_workers: list[str] = msgspec.field(default_factory=list)
 
 
@@ -90,10 +90,10 @@ class JobStateChanged(Message, frozen=True, kw_only=True):
     job_id: str
     state: JobState
     reason: str = ""
-    step: int = 0
+    step: Count = 0
     time_s: float = 0.0  # unix time, seconds
     source: str = ""
-    attempt: int = 0     # the placement attempt reporting (0: not known)
+    attempt: Count = 0     # the placement attempt reporting (0: not known)
 
 
 class JobRecord(Message, frozen=True, kw_only=True):

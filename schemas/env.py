@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from opentinker.schemas.base import Message
+from opentinker.schemas.base import Count, Message
 
 
 class EnvInitRequest(Message, frozen=True, kw_only=True):
@@ -16,7 +16,7 @@ class EnvInitRequest(Message, frozen=True, kw_only=True):
 
     env: str
     env_args: dict[str, Any] = msgspec.field(default_factory=dict)
-    seed: int = 0
+    seed: Count = 0
     split: str = "train"
 
 
@@ -26,10 +26,13 @@ class EnvInitReply(Message, frozen=True, kw_only=True):
 
 
 class EnvResetRequest(Message, frozen=True, kw_only=True):
-    """Start an episode: construct the env with `env_args`, call `reset(**state)`."""
+    """Start an episode: construct the env with `env_args`, call `reset(**state)`.
+    An envhost keys its episodes by (`job_id`, `episode_id`): one job's ids can never
+    reach another job's games."""
 
     env: str
     episode_id: str
+    job_id: str = ""
     env_args: dict[str, Any] = msgspec.field(default_factory=dict)
     state: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -48,6 +51,7 @@ class EnvResetReply(Message, frozen=True, kw_only=True):
 class EnvStepRequest(Message, frozen=True, kw_only=True):
     episode_id: str
     action: str
+    job_id: str = ""
 
 
 class EnvStepReply(Message, frozen=True, kw_only=True):
@@ -63,3 +67,4 @@ class EnvStepReply(Message, frozen=True, kw_only=True):
 
 class EnvCloseRequest(Message, frozen=True, kw_only=True):
     episode_id: str
+    job_id: str = ""

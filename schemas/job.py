@@ -6,8 +6,9 @@ max_staleness (0 = strictly on-policy), turn discount (gamma of the per-turn ret
 GTPO arXiv 2511.17052).
 """
 
+import math
 import re
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -100,6 +101,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sft_query: str = ""
     sft_batch_size: int = 16
     rollout_workers: int = 1
+    # a group not complete this long after the learner asked is asked again (counting
+    # toward the learner's attempt limit): a lost or refused request never hangs a job
+    rollout_timeout_s: float = 600.0
 
     @property
     def episodes_per_step(self) -> int:
@@ -110,47 +114,134 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return self.prompts_per_step * self.group_size
 
 
+class Range(NamedTuple):
+    """The allowed values of one number of a spec: [lo, hi], an end excluded when
+    `lo_open` / `hi_open`; never NaN or infinite."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+    note: str = ""
+
+    def allows(self, x: object) -> bool:
+        """Whether `x` is a finite number in the range."""
+        if not isinstance(x, (int, float)) or (isinstance(x, float) and not math.isfinite(x)):
+            return False
+        above = x > self.lo if self.lo_open else x >= self.lo
+        below = x < self.hi if self.hi_open else x <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        return f"{'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}{')' if self.hi_open else ']'}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# Generous, finite bounds of every number of a spec (dotted: of `sampling`): far above
+# what a job of this service needs, low enough that no spec makes a learner, rollout
+# worker or env host allocate without limit.
+RANGES: dict[str, Range] = {
+    "lora_rank": Range(0, 512, note="0 = full fine-tuning"),
+    "lora_alpha": Range(1, 4096),
+    "prompts_per_step": Range(1, 1024),
+    "group_size": Range(2, 256, note="GRPO normalizes within a group"),
+    "steps": Range(1, 1_000_000),
+    "lr": Range(0, 1, lo_open=True, hi_open=True),
+    "weight_decay": Range(0, 1),
+    "max_grad_norm": Range(0, 1e6, lo_open=True),
+    "kl_coef": Range(0, 100),
+    "clip_range": Range(0, 1, lo_open=True, hi_open=True),
+    "max_staleness": Range(0, 16, note="0 = strictly on-policy"),
+    "micro_batch_size": Range(1, 4096),
+    "seed": Range(0, 2**63, hi_open=True),
+    "checkpoint_every": Range(1, 1_000_000),
+    "zero_stage": Range(0, 3),
+    "turn_discount": Range(0, 1),
+    "eval_every": Range(0, 1_000_000, note="0 = no evaluation"),
+    "eval_episodes": Range(1, 10_000),
+    "eval_temperature": Range(0, 10, note="0 = greedy"),
+    "sft_batch_size": Range(1, 4096),
+    "rollout_workers": Range(1, 64),
+    "rollout_timeout_s": Range(0, 86_400, lo_open=True),
+    "sampling.temperature": Range(0, 10),
+    "sampling.top_p": Range(0, 1, lo_open=True),
+    "sampling.max_new_tokens": Range(1, 32_768),
+    "sampling.max_total_tokens": Range(2, 131_072),
+    "sampling.max_turns": Range(1, 1024),
+}
+MAX_NAME_CHARS = 200
+MAX_PATH_CHARS = 1024         # model, sft_data
+MAX_TARGET_MODULES = 64       # lora_target_modules entries
+MAX_TARGET_MODULE_CHARS = 100
+MAX_ENV_ARGS_BYTES = 64 * 1024  # env_args as msgpack
+MAX_SFT_QUERY_BYTES = 64 * 1024  # UTF-8
+KINDS = ("train", "inference")
+
+
 def _check(cond: bool, field: str, reason: str) -> None:
     if not cond:
         raise SpecError(field, reason)
 
 
-def validate_job_spec(spec: JobSpec) -> JobSpec:
-    """Check the ranges msgspec's type check cannot express.
+def _value(spec: JobSpec, dotted: str) -> Any:
+    obj: Any = spec
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
-    Raises SpecError naming the field. Returns the spec unchanged.
+
+def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
+    """Check the ranges and sizes msgspec's type check cannot express (RANGES and the
+    MAX_* sizes). `kind` is the job's: "train" or "inference" (SubmitJob.kind).
+
+    A GRPO training job must sample with `sampling.top_p` 1: the sampler's logprobs
+    would be under the nucleus-truncated, renormalized distribution while the learner
+    scores the full one, so the importance ratio pi/pi_old (arXiv 2402.03300 eq. 3)
+    would be wrong for every token. Inference jobs may use any top_p in (0, 1].
+
+    Raises SpecError naming the field and the allowed range (NaN and infinities are
+    never allowed); ValueError for an unknown `kind`. Returns the spec unchanged.
     """
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {KINDS}")
     _check(bool(spec.model.strip()), "model", "must name a model id or path")
+    for field, r in RANGES.items():
+        x = _value(spec, field)
+        if not r.allows(x):
+            bad = "must be finite" if isinstance(x, float) and not math.isfinite(x) else "must be"
+            note = f"; {r.note}" if r.note else ""
+            raise SpecError(field, f"{bad} in {r}{note} (got {x!r})")
+    _check(len(spec.name) <= MAX_NAME_CHARS, "name", f"must be at most {MAX_NAME_CHARS} characters "
+           f"(got {len(spec.name)})")
+    for field in ("model", "sft_data"):
+        n = len(getattr(spec, field))
+        _check(n <= MAX_PATH_CHARS, field, f"must be at most {MAX_PATH_CHARS} characters (got {n})")
+    mods = spec.lora_target_modules
+    _check(len(mods) <= MAX_TARGET_MODULES, "lora_target_modules",
+           f"must have at most {MAX_TARGET_MODULES} entries (got {len(mods)})")
+    _check(all(len(m) <= MAX_TARGET_MODULE_CHARS for m in mods), "lora_target_modules",
+           f"each entry must be at most {MAX_TARGET_MODULE_CHARS} characters")
+    n = len(msgspec.msgpack.encode(spec.env_args))
+    _check(n <= MAX_ENV_ARGS_BYTES, "env_args",
+           f"must encode to at most {MAX_ENV_ARGS_BYTES} bytes of msgpack (got {n})")
+    n = len(spec.sft_query.encode())
+    _check(n <= MAX_SFT_QUERY_BYTES, "sft_query", f"must be at most {MAX_SFT_QUERY_BYTES} bytes (got {n})")
     _check(ENV_NAME_RE.match(spec.env) is not None, "env", "must match [a-z0-9][a-z0-9_-]*")
-    _check(spec.lora_rank >= 0, "lora_rank", "must be >= 0 (0 = full fine-tuning)")
-    _check(spec.lora_alpha > 0, "lora_alpha", "must be > 0")
-    _check(spec.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
-    _check(spec.group_size >= 2, "group_size", "must be >= 2 (GRPO normalizes within a group)")
-    _check(spec.steps >= 1, "steps", "must be >= 1")
-    _check(0 < spec.lr < 1, "lr", "must be in (0, 1)")
-    _check(spec.kl_coef >= 0, "kl_coef", "must be >= 0")
-    _check(0 < spec.clip_range < 1, "clip_range", "must be in (0, 1)")
-    _check(spec.max_staleness >= 0, "max_staleness", "must be >= 0")
-    _check(spec.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
-    _check(spec.zero_stage in (0, 1, 2, 3), "zero_stage", "must be 0, 1, 2 or 3")
-    _check(spec.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
-    _check(0 <= spec.turn_discount <= 1, "turn_discount", "must be in [0, 1]")
-    _check(spec.eval_every >= 0, "eval_every", "must be >= 0 (0 = no evaluation)")
-    _check(spec.eval_episodes >= 1, "eval_episodes", "must be >= 1")
     _check(ENV_NAME_RE.match(spec.eval_split) is not None, "eval_split", "must match [a-z0-9][a-z0-9_-]*")
-    _check(spec.eval_temperature >= 0, "eval_temperature", "must be >= 0 (0 = greedy)")
-    _check(1 <= spec.rollout_workers <= 64, "rollout_workers", "must be in [1, 64]")
-    _check(spec.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
     if spec.algorithm == "sft":
         _check(bool(spec.sft_data) != bool(spec.sft_query), "sft_data",
                "an SFT job needs exactly one of sft_data (a dataset file) or sft_query (SQL over the log)")
     s = spec.sampling
-    _check(s.temperature >= 0, "sampling.temperature", "must be >= 0")
-    _check(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
-    _check(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
-    _check(s.max_turns >= 1, "sampling.max_turns", "must be >= 1")
     _check(s.max_total_tokens > s.max_new_tokens, "sampling.max_total_tokens",
            "must exceed sampling.max_new_tokens")
+    if kind == "train" and spec.algorithm == "grpo":
+        _check(s.top_p == 1, "sampling.top_p",
+               f"must be 1 for a GRPO training job (got {s.top_p!r}): the learner does not apply "
+               "the nucleus, so the sampler's logprobs and the learner's would be of different "
+               "distributions and the importance ratio would be wrong (inference jobs may use top_p < 1)")
     return spec
 
 
@@ -162,8 +253,9 @@ def error_field(e: msgspec.ValidationError) -> str:
     return m.group(1) if m else ""
 
 
-def spec_from_dict(data: dict[str, Any]) -> JobSpec:
-    """Build and validate a JobSpec from plain data (a parsed TOML file, a REST body).
+def spec_from_dict(data: dict[str, Any], kind: str = "train") -> JobSpec:
+    """Build and validate a JobSpec from plain data (a parsed TOML file, a REST body)
+    for a job of `kind` ("train" or "inference"; see validate_job_spec).
 
     Raises SpecError naming the field, for unknown fields, wrong types and bad ranges.
     """
@@ -171,4 +263,4 @@ def spec_from_dict(data: dict[str, Any]) -> JobSpec:
         spec = msgspec.convert(data, JobSpec)
     except msgspec.ValidationError as e:
         raise SpecError(error_field(e) or "spec", str(e)) from None
-    return validate_job_spec(spec)
+    return validate_job_spec(spec, kind)

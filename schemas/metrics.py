@@ -2,7 +2,7 @@
 
 import msgspec
 
-from opentinker.schemas.base import Message
+from opentinker.schemas.base import Count, Message
 
 
 class Metrics(Message, frozen=True, kw_only=True):
@@ -14,8 +14,11 @@ class Metrics(Message, frozen=True, kw_only=True):
     """
 
     job_id: str
-    step: int
-    policy_version: int
+    step: Count
+    policy_version: Count
     values: dict[str, float] = msgspec.field(default_factory=dict)
     split: str = "train"
     time_s: float = 0.0
+    # a train step of an RL job: the request ids of the groups it was trained on (the
+    # log's `steps` view), so what trained each step can be audited and replayed
+    groups: list[str] = msgspec.field(default_factory=list)

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from opentinker.schemas.base import Message
+from opentinker.schemas.base import Count, MaskBit, Message, TokenId
 from opentinker.schemas.job import SamplingParams
 
 
@@ -16,23 +16,29 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     """One group of episodes to sample (subject `ot.job.<id>.rollout`).
 
     `policy_version` is the newest version the learner had published when it asked;
-    a worker samples with that version or a newer one. `group_seed` fixes the group's
-    initial state (the env's `generate_initial_state(seed=...)`).
+    a worker samples with that version or a newer one of the same `policy_run` (the
+    learner run whose weights these are; "" = whatever the job's newest weight event is,
+    as for an inference job). `attempt` is the job's placement attempt the asker runs
+    under: a worker serves only requests of the attempt the job record names. `group_seed`
+    fixes the group's initial state (the env's `generate_initial_state(seed=...)`).
+    `request_id` starts with `<job_id>-`.
     """
 
     job_id: str
     request_id: str
-    step: int
-    group_index: int
-    group_seed: int
-    policy_version: int
+    step: Count
+    group_index: Count
+    group_seed: Count
+    policy_version: Count
     model: str
     env: str
     env_args: dict[str, Any] = msgspec.field(default_factory=dict)
-    group_size: int = 8
+    group_size: Count = 8
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     engine: str = "auto"
     split: str = "train"
+    attempt: Count = 0
+    policy_run: str = ""
 
 
 class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,11 +46,11 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     turn in Trajectory.token_ids; the observation that followed (if any) is
     `[gen_end, obs_end)`. Times in milliseconds."""
 
-    gen_start: int
-    gen_end: int
-    obs_end: int
+    gen_start: Count
+    gen_end: Count
+    obs_end: Count
     reward: float = 0.0
-    policy_version: int = 0
+    policy_version: Count = 0
     finish_reason: str = ""
     action: str = ""
     observation: str = ""
@@ -61,22 +67,25 @@ class Trajectory(Message, frozen=True, kw_only=True):
     prompt_len:  the length of the first prompt (system + first user message)
     reward:      the episode return (sum of per-turn rewards)
     policy_version: the oldest policy version that produced any turn
+    policy_run:  the learner run whose weights produced it ("" for version 0, the base
+                 model): versions are numbered per run, so a resumed run tells its own
+                 policy from a lost run's of the same number
     error:       non-empty when the episode ended on an environment or engine error
     """
 
     job_id: str
     request_id: str
     episode_id: str
-    step: int
-    group_index: int
-    group_size: int
-    token_ids: list[int]
-    loss_mask: list[int]
+    step: Count
+    group_index: Count
+    group_size: Count
+    token_ids: list[TokenId]
+    loss_mask: list[MaskBit]
     logprobs: list[float]
-    prompt_len: int
+    prompt_len: Count
     turns: list[TurnRecord]
     reward: float
-    policy_version: int
+    policy_version: Count
     env: str = ""
     split: str = "train"
     env_info: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -86,6 +95,7 @@ class Trajectory(Message, frozen=True, kw_only=True):
     gen_ms: float = 0.0
     env_ms: float = 0.0
     created_s: float = 0.0
+    policy_run: str = ""
 
     @property
     def correct(self) -> bool:

@@ -19,7 +19,12 @@ and `ot_keys` (users, and API keys stored as argon2 hashes). Rollout requests na
 their worker in the subject: the scheduler places a job's rollouts on its workers, and
 each worker's durable consumer filters its own token, so work-queue consumers never
 overlap.
+
+Every stream is bounded (STREAM_LIMITS: message size, bytes, age, messages per
+subject) and so is every KV value (KV_MAX_VALUE_BYTES).
 """
+
+import msgspec
 
 from opentinker.schemas.job import ENV_NAME_RE, JOB_ID_RE
 
@@ -40,12 +45,56 @@ STREAMS: dict[str, tuple[list[str], str]] = {
     "OT_DLQ": (["ot.dlq.>"], "limits"),
 }
 
+
+class StreamLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one stream may hold (nats-server enforces it, bus.ensure_topology sets it).
+
+    max_msg_size: bytes of one message, payload and headers (a larger publish is
+        refused: nats.js.errors.BadRequestError "message size exceeds maximum allowed")
+    max_bytes:    bytes of the whole stream (reserved on the server's JetStream store)
+    max_age_s:    seconds a message is kept (0 = no limit)
+    max_msgs_per_subject: messages kept per subject, e.g. per job (-1 = no limit)
+    When a stream is full, a "limits" stream drops its oldest messages (discard old);
+    a "workqueue" stream refuses new ones, per subject too (discard new), so queued
+    work is never dropped to make room.
+    """
+
+    max_msg_size: int
+    max_bytes: int
+    max_age_s: float
+    max_msgs_per_subject: int = -1
+
+
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
+DAY_S = 86_400.0
+
+# Sized so that a message of a valid job fits with room to spare (a trajectory of
+# sampling.max_total_tokens = 131072 tokens is ~2.5 MiB of msgpack; a JobAssigned with
+# 64 KiB env_args and 64 KiB sft_query ~140 KiB), and the streams together reserve
+# ~4 GiB of the server's store (nats-server's default store is 75% of the free disk).
+# OT_WEIGHTS keeps its (small) events without an age limit: they name a job's policy for
+# as long as its weights are kept (inference `policy_of`).
+STREAM_LIMITS: dict[str, StreamLimits] = {
+    "OT_CTL": StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=14 * DAY_S,
+                           max_msgs_per_subject=10_000),
+    "OT_EVENTS": StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=14 * DAY_S,
+                              max_msgs_per_subject=10_000),
+    "OT_ROLLOUT": StreamLimits(max_msg_size=1 * MIB, max_bytes=512 * MIB, max_age_s=14 * DAY_S,
+                               max_msgs_per_subject=32_768),
+    "OT_TRAJ": StreamLimits(max_msg_size=4 * MIB, max_bytes=2 * GIB, max_age_s=14 * DAY_S),
+    "OT_WEIGHTS": StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=0.0,
+                               max_msgs_per_subject=1_000),
+    "OT_METRICS": StreamLimits(max_msg_size=256 * KIB, max_bytes=512 * MIB, max_age_s=14 * DAY_S),
+    "OT_DLQ": StreamLimits(max_msg_size=1 * MIB, max_bytes=256 * MIB, max_age_s=7 * DAY_S),
+}
+
 KV_JOBS = "ot_jobs"
 KV_WORKERS = "ot_workers"
 KV_USERS = "ot_users"
 KV_KEYS = "ot_keys"
 WORKER_TTL_S = 10.0       # a worker missing heartbeats this long is gone
 WORKER_HEARTBEAT_S = 2.0
+KV_MAX_VALUE_BYTES = 1 * MIB  # one value of any KV bucket (a JobRecord holds a spec of < 200 KiB)
 OBJ_WEIGHTS = "ot_weights"
 OBJ_CHECKPOINTS = "ot_checkpoints"
 

@@ -5,7 +5,7 @@ from typing import Literal
 
 import msgspec
 
-from opentinker.schemas.base import Message
+from opentinker.schemas.base import Count, Message
 
 
 class WeightsPublished(Message, frozen=True, kw_only=True):
@@ -18,13 +18,17 @@ class WeightsPublished(Message, frozen=True, kw_only=True):
     """
 
     job_id: str
-    policy_version: int
+    policy_version: Count
     kind: Literal["lora", "full"]
     uri: str
     sha256: str
-    size_bytes: int
-    lora_rank: int = 0
-    lora_alpha: int = 0
+    size_bytes: Count
+    lora_rank: Count = 0
+    lora_alpha: Count = 0
     target_modules: list[str] = msgspec.field(default_factory=list)
-    step: int = 0
+    step: Count = 0
     time_s: float = 0.0
+    # the learner run that made these weights (a resumed run starts a new lineage and
+    # re-announces its checkpoint's version) and the placement attempt it ran under
+    run: str = ""
+    attempt: Count = 0

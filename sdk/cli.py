@@ -191,7 +191,7 @@ def infer_settings(args: argparse.Namespace) -> dict[str, Any]:
     base: dict[str, Any] = {}
     if args.config:
         try:
-            spec = spec_from_dict(load_job_config(args.config, []))
+            spec = spec_from_dict(load_job_config(args.config, []), "inference")
         except SpecError as e:
             raise SystemExit(f"{args.config}: {e}") from None
         base = {"env": spec.env, "env_args": dict(spec.env_args), "model": spec.model,
@@ -549,17 +549,24 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_nats_keys(args: argparse.Namespace) -> int:
     """Make the NATS keys of a deployment (services/core/natsauth.py) in `dir`, once:
-    the services' nkey seed, the auth callout issuer's seed (both 0600, secrets) and
-    `auth.conf`, the server config block with their public keys (include it)."""
+    the services' nkey seed, the auth callout's issuer seed and xkey seed, the system
+    account's nkey seed (all 0600, secrets) and `auth.conf`, the server config block
+    with their public keys and the accounts (include it)."""
     from opentinker.services.core.natsauth import ensure_seed_file, server_auth_config
 
     out = Path(args.dir)
     svc = ensure_seed_file(out / "service.nk", "user")
     issuer = ensure_seed_file(out / "callout-issuer.nk", "account")
-    (out / "auth.conf").write_text(server_auth_config(svc, issuer))
+    xkey = ensure_seed_file(out / "callout.xk", "curve")
+    system = ensure_seed_file(out / "system.nk", "user")
+    (out / "auth.conf").write_text(server_auth_config(svc, issuer, xkey, system))
     print(f"{out / 'service.nk'}: the services' nkey seed (NATS_NKEY), public key {svc}")
     print(f"{out / 'callout-issuer.nk'}: the scheduler's callout issuer seed "
           f"(OPENTINKER_NATS_CALLOUT_ISSUER_FILE), public key {issuer}")
+    print(f"{out / 'callout.xk'}: the scheduler's callout xkey seed (OPENTINKER_NATS_CALLOUT_XKEY_FILE), "
+          f"public key {xkey}")
+    print(f"{out / 'system.nk'}: the scheduler's system-account nkey seed (OPENTINKER_NATS_SYSTEM_NKEY_FILE), "
+          f"public key {system}")
     print(f"{out / 'auth.conf'}: include it in the nats-server config")
     return 0
 
@@ -688,7 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_data)
 
     s = sub.add_parser("nats-keys", help="make a deployment's NATS keys and auth config (compose/)")
-    s.add_argument("dir", help="where to write service.nk, callout-issuer.nk and auth.conf")
+    s.add_argument("dir", help="where to write service.nk, callout-issuer.nk, callout.xk, system.nk and auth.conf")
     s.set_defaults(fn=cmd_nats_keys)
 
     s = sub.add_parser("models", help="model utilities")

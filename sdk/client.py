@@ -11,9 +11,9 @@ client only (never torch or vLLM).
 
 Two identities (services/core/natsauth.py):
 - a **user** of a shared service (`api_url=` or $OPENTINKER_API_URL names its REST
-  API) connects to NATS with the API key as its token and reaches only its own jobs'
-  subjects; records and history come from the REST API, live events and metrics from
-  NATS subscriptions;
+  API) submits, cancels and reads records and history over the REST API, and connects
+  to NATS with the API key as its token only to follow its own jobs live (a user's NATS
+  connection may subscribe to its own jobs' subjects and publish nothing);
 - a **service** identity ($NATS_NKEY or $NATS_CREDS: operators, tests, and the owner
   of the local `opentinker up` stack, with its service nkey) or a bare bus with no
   REST API reads records and history from JetStream directly.
@@ -132,8 +132,38 @@ class RestReader(Reader):
             raise ValueError(f"no history of {family!r}")
         return await self._get(f"/jobs/{S.check_job_id(job_id)}/{family}", list[kind])
 
+    async def submit(self, cmd: SubmitJob) -> SubmitReply:
+        """POST /v1/jobs. A refusal comes back as a SubmitReply naming the field."""
+        body = {"spec": msgspec.to_builtins(cmd.spec), "job_id": cmd.job_id, "kind": cmd.kind,
+                "policy_of": cmd.policy_of}
+        r = await self.http.post("/jobs", json=body)
+        if r.status_code == 201:
+            got = r.json()
+            return SubmitReply(ok=True, job_id=got["job_id"], endpoint_token=got.get("endpoint_token", ""))
+        detail = _detail(r)
+        field = "api_key" if r.status_code == 401 else str(detail.get("field", "")).removeprefix("spec.")
+        return SubmitReply(ok=False, error=str(detail.get("error", r.text)), field=field)
+
+    async def cancel(self, job_id: str, reason: str) -> CancelReply:
+        """POST /v1/jobs/{id}/cancel."""
+        r = await self.http.post(f"/jobs/{S.check_job_id(job_id)}/cancel", json={"reason": reason[:500]})
+        if r.status_code == 200:
+            return CancelReply(ok=True, state=r.json().get("state", ""))
+        if r.status_code == 401:
+            raise AuthenticationError(_detail(r).get("error", r.text))
+        return CancelReply(ok=False, error=str(_detail(r).get("error", r.text)))
+
     async def close(self) -> None:
         await self.http.aclose()
+
+
+def _detail(r) -> dict[str, Any]:
+    """The `detail` of a REST error answer ({"error", "field"}), or {} if it has none."""
+    try:
+        d = r.json().get("detail", {})
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) else {"error": str(d)}
 
 
 class JobFailed(RuntimeError):
@@ -258,13 +288,16 @@ class Job:
         return rec
 
     async def cancel(self, reason: str = "cancelled by user") -> CancelReply:
-        """Ask the scheduler to cancel. Raises nats.errors.NoRespondersError if none runs."""
+        """Ask the scheduler to cancel (over the REST API as a user). Raises
+        nats.errors.NoRespondersError if no scheduler runs."""
+        if isinstance(self.client.reader, RestReader):
+            return await self.client.reader.cancel(self.id, reason)
         return await self.client.bus.request(
             S.CANCEL, CancelJob(job_id=self.id, reason=reason, api_key=self.client.api_key), CancelReply)
 
 
-def _spec(spec: JobSpec | dict[str, Any]) -> JobSpec:
-    return spec_from_dict(spec) if isinstance(spec, dict) else spec
+def _spec(spec: JobSpec | dict[str, Any], kind: str = "train") -> JobSpec:
+    return spec_from_dict(spec, kind) if isinstance(spec, dict) else spec
 
 
 class InferenceEndpoint:
@@ -308,8 +341,6 @@ class Client:
         import os
 
         from opentinker.services.core.bus import default_nats_url, service_credentials
-        from opentinker.services.core.natsauth import user_inbox_prefix
-        from opentinker.services.scheduler.users import key_id
 
         key = default_api_key() if api_key is None else api_key
         url = default_nats_url(nats_url)
@@ -322,7 +353,7 @@ class Client:
             raise AuthenticationError("no API key: pass api_key=, set OPENTINKER_API_KEY or OPENTINKER_API_KEY_FILE")
 
         def user_bus() -> Awaitable[Bus]:
-            return Bus.connect(url, "sdk", token=key, inbox_prefix=user_inbox_prefix(key_id(key)))
+            return Bus.connect(url, "sdk", token=key)
 
         return cls(await user_bus(), key, RestReader(api_url, key), user_bus)
 
@@ -363,12 +394,15 @@ class Client:
         invalid, AuthenticationError when the API key is refused,
         nats.errors.NoRespondersError when no scheduler runs.
         """
-        cmd = SubmitJob(spec=_spec(spec), job_id=job_id, kind=kind, policy_of=policy_of)
+        cmd = SubmitJob(spec=_spec(spec, kind), job_id=job_id, kind=kind, policy_of=policy_of)
         return (await self._submit(cmd, timeout_s))[0]
 
     async def _submit(self, cmd: SubmitJob, timeout_s: float) -> tuple[Job, SubmitReply]:
-        cmd = msgspec.structs.replace(cmd, api_key=self.api_key)
-        reply = await self.bus.request(S.SUBMIT, cmd, SubmitReply, timeout_s=timeout_s)
+        if isinstance(self.reader, RestReader):
+            reply = await self.reader.submit(cmd)
+        else:
+            cmd = msgspec.structs.replace(cmd, api_key=self.api_key)
+            reply = await self.bus.request(S.SUBMIT, cmd, SubmitReply, timeout_s=timeout_s)
         if not reply.ok and reply.field == "api_key":
             raise AuthenticationError(reply.error)
         if not reply.ok:

@@ -211,6 +211,8 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
                 for g in range(episodes // group_size)]
     try:
         workers, attempt = await _placement(placed, timeout_s)
+        # a worker serves only the attempt the job's record names
+        requests = [msgspec.structs.replace(r, attempt=attempt) for r in requests]
         trajs = await _collect(client.bus, run_id, workers, requests, env,
                                timeout_s - (time.monotonic() - t0), on_episode)
         await client.bus.publish(S.job(run_id, "events"), JobStateChanged(

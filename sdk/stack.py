@@ -83,12 +83,27 @@ class Stack:
         if self.server is not None and self.server.auth:
             env["NATS_NKEY"] = str(self.server.service_seed_file)
             if name == "scheduler":
-                env["OPENTINKER_NATS_CALLOUT_ISSUER_FILE"] = str(self.server.issuer_seed_file)
+                env.update(self.server.scheduler_env())
         log = open(self.log_dir / f"{name}.log", "ab")
-        cmd = [sys.executable, "-m", f"opentinker.services.{name}", *self.overrides.get(name, [])]
+        overrides = list(self.overrides.get(name, []))
+        if name in ("rollout", "learner") and not any(o.startswith("worker_id=") for o in overrides):
+            # the same identity across restarts: a worker back within its heartbeat's
+            # life keeps its jobs (no requeue), and its unfinished work comes back to it
+            overrides.append(f"worker_id={self.worker_id(name)}")
+        cmd = [sys.executable, "-m", f"opentinker.services.{name}", *overrides]
         self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         return self.procs[name]
+
+    def worker_id(self, name: str) -> str:
+        """`<service>-<host>-<6 hex of the home path>`: stable for this stack, distinct
+        from another stack's on the same host and bus."""
+        import hashlib
+
+        from opentinker.services.core.pool import default_worker_id
+
+        host = default_worker_id(name).rsplit("-", 1)[0]  # <service>-<host>, without the pid
+        return f"{host}-{hashlib.sha256(str(self.home.resolve()).encode()).hexdigest()[:6]}"
 
     def check(self) -> None:
         """Raise RuntimeError naming any service that has exited."""

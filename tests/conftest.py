@@ -4,6 +4,7 @@ services started as real subprocesses and stopped by PID."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -198,3 +199,30 @@ async def log_rows(data_dir, sql: str, expect: int, timeout_s: float = 30):
             return rows
         await asyncio.sleep(0.5)
     return rows
+
+
+async def place_job(bus, job_id: str, spec=None, *, learner: str = "", rollout=(), attempt: int = 1,
+                    kind: str = "train", user: str = ""):
+    """Write the scheduler's record of a job placed on `learner` and `rollout` workers, for
+    tests that play the scheduler's part: learners and rollout workers serve only what a
+    record places on them."""
+    from opentinker.schemas import JobRecord, JobSpec, JobState, encode
+    from opentinker.schemas import subjects as S
+    from opentinker.schemas.pool import Placement
+
+    rec = JobRecord(job_id=job_id, spec=spec or JobSpec(), state=JobState.RUNNING, kind=kind, user=user,
+                    attempt=attempt, placement=Placement(attempt=attempt, learner=learner, rollout=list(rollout)))
+    await (await bus.kv(S.KV_JOBS)).put(job_id, encode(rec))
+    return rec
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def world(tmp_path_factory, home, tiny_model):
+    """The adversarial tests' shared stack (tests/tenants.py): started once, by the first
+    test that asks for it."""
+    from tenants import start_world
+
+    gen = start_world(tmp_path_factory.mktemp("tenants"), home, tiny_model, Services)
+    yield await gen.__anext__()
+    with contextlib.suppress(StopAsyncIteration):
+        await gen.__anext__()

@@ -1,20 +1,29 @@
 """The NATS JetStream client every service uses.
 
 - `Bus.connect` then `ensure_topology` creates every stream, KV bucket and object
-  store in `schemas.subjects` idempotently (safe to call from every process).
+  store in `schemas.subjects` idempotently (safe to call from every process), with
+  the limits there (STREAM_LIMITS, KV_MAX_VALUE_BYTES), applied to existing ones too.
 - `publish` sets `Nats-Msg-Id` (JetStream deduplication), the schema name, the
   content type and a W3C `traceparent`.
 - `consume` runs a durable pull consumer: each message is decoded to its schema and
   handed to the handler; it is acked only after the handler returns. A message that
-  cannot be decoded goes to `ot.dlq.<service>` with the reason, is terminated, and the
-  loop goes on.
+  cannot be decoded goes to `ot.dlq.<service>` with the reason (and at most its first
+  DLQ_PAYLOAD_BYTES), is terminated, and the loop goes on.
+- Across a NATS outage (a nats-server restart, a lost connection): nats-py reconnects
+  by itself (forever), and every JetStream, KV and object-store call here is retried
+  with exponential backoff (tenacity) for up to RETRY_FOR_S before its error is
+  raised; a fetch that fails that way returns no messages. A publish retried after a
+  lost ack is a no-op when it carries a `Nats-Msg-Id` (JetStream deduplication), so a
+  server restart costs time, never a message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import secrets
 import time
@@ -23,9 +32,10 @@ from typing import Any, TypeVar
 
 import msgspec
 import nats
+import tenacity
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from opentinker.schemas import DeadLetter, JobRecord, decode, encode, schema_name
 from opentinker.schemas import subjects as S
@@ -38,6 +48,48 @@ T = TypeVar("T", bound=msgspec.Struct)
 # default 128 KiB chunks a get of tens of MB is slow (DESIGN.md, measured).
 OBJ_CHUNK_BYTES = 4 * 1024 * 1024
 DUPLICATE_WINDOW_S = 120.0
+RETRY_FOR_S = 300.0  # how long a bus call is retried across an outage before it fails
+# What a dead letter keeps of a bad message, so it fits OT_DLQ whatever the message's size.
+DLQ_PAYLOAD_BYTES = 64 * 1024
+DLQ_HEADERS = 32
+DLQ_HEADER_CHARS = 1024  # of each header's name and of its value
+DLQ_REASON_CHARS = 8192
+JS_STORAGE_EXHAUSTED = 10047  # JetStream's err_code: "insufficient storage resources available"
+KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS)
+
+# errors a NATS outage or a JetStream restart produces (the call may succeed later)
+TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.StaleConnectionError,
+             nats.errors.OutboundBufferLimitError, nats.errors.ConnectionReconnectingError,
+             nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError,
+             asyncio.TimeoutError)
+
+
+def retrying(what: str, retry_for_s: float | None = None) -> tenacity.AsyncRetrying:
+    """A tenacity policy for one bus call `what`: retry TRANSIENT errors with
+    exponential backoff (0.2 s doubling to 5 s, jittered) for up to `retry_for_s`
+    (default RETRY_FOR_S), then re-raise the last error."""
+    def note(state: tenacity.RetryCallState) -> None:
+        log.warning("%s: %r; retrying (attempt %d)", what, state.outcome.exception(), state.attempt_number)
+
+    return tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception_type(TRANSIENT),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
+        stop=tenacity.stop_after_delay(RETRY_FOR_S if retry_for_s is None else retry_for_s),
+        before_sleep=note, reraise=True)
+
+
+class MessageRefused(Exception):
+    """A handler's verdict that a well-formed message must never be acted on (it names
+    another job than its subject, say): `Bus.consume` dead-letters it with this reason
+    and terminates it instead of redelivering it."""
+
+
+def reply_allowed(subject: str | None) -> bool:
+    """Whether a service may answer a request on reply subject `subject`: only a
+    client's inbox (`_INBOX.`...). A service publishes with service rights, so a reply
+    subject chosen by the sender (a KV bucket's `$KV.`, a stream's subject, another
+    service's) would make it a confused deputy."""
+    return bool(subject) and subject.startswith("_INBOX.") and " " not in subject
 
 
 def new_traceparent() -> str:
@@ -82,6 +134,28 @@ def default_nats_url(url: str | None = None) -> str:
 def streams_of(subject: str) -> list[str]:
     """The streams (schemas.subjects.STREAMS) that can hold messages on `subject`."""
     return [stream for stream, (subjects, _) in S.STREAMS.items() if any(_overlap(subject, x) for x in subjects)]
+
+
+def stream_config(name: str, max_bytes_scale: float = 1.0, max_age_scale: float = 1.0) -> api.StreamConfig:
+    """The JetStream config of stream `name`: its subjects and retention (S.STREAMS) and
+    its limits (S.STREAM_LIMITS), `max_bytes` and `max_age_s` times the scales. Discard
+    policy: a limits stream drops its oldest messages when full; a work queue refuses
+    new ones (per subject too), so queued work is never dropped to make room."""
+    subjects, retention = S.STREAMS[name]
+    lim = S.STREAM_LIMITS[name]
+    work = retention == "workqueue"
+    return api.StreamConfig(
+        name=name, subjects=subjects,
+        retention=api.RetentionPolicy.WORK_QUEUE if work else api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        max_msg_size=lim.max_msg_size,
+        max_bytes=int(lim.max_bytes * max_bytes_scale),
+        max_age=lim.max_age_s * max_age_scale,
+        max_msgs_per_subject=lim.max_msgs_per_subject,
+        discard=api.DiscardPolicy.NEW if work else api.DiscardPolicy.OLD,
+        discard_new_per_subject=work and lim.max_msgs_per_subject > 0,
+    )
 
 
 def service_credentials(url: str) -> dict[str, str]:
@@ -146,25 +220,38 @@ class Bus:
 
     # -- topology -------------------------------------------------------------
 
-    async def ensure_topology(self) -> None:
-        """Create (or update) every stream, KV bucket and object store. Idempotent."""
-        for name, (subjects, retention) in S.STREAMS.items():
-            cfg = api.StreamConfig(
-                name=name, subjects=subjects,
-                retention=api.RetentionPolicy.WORK_QUEUE if retention == "workqueue"
-                else api.RetentionPolicy.LIMITS,
-                storage=api.StorageType.FILE,
-                duplicate_window=DUPLICATE_WINDOW_S,
-                max_msg_size=-1,
-            )
+    async def ensure_topology(self, max_bytes_scale: float = 1.0, max_age_scale: float = 1.0) -> None:
+        """Create (or update) every stream, KV bucket and object store. Idempotent.
+
+        Each stream gets `stream_config(name, max_bytes_scale, max_age_scale)` and each KV
+        bucket values of at most S.KV_MAX_VALUE_BYTES; existing ones are updated to them.
+        The scales are Settings.stream_max_bytes_scale / stream_max_age_scale: run every
+        service with the same ones, or each start undoes the last.
+
+        Raises ValueError naming a scale that is not a positive number; RuntimeError
+        naming the stream when the server's JetStream store cannot reserve its
+        max_bytes (raise the server's `max_file_store`, or lower max_bytes_scale).
+        """
+        for arg, scale in (("max_bytes_scale", max_bytes_scale), ("max_age_scale", max_age_scale)):
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"{arg}: must be a positive number, got {scale!r}")
+        for name in S.STREAMS:
+            cfg = stream_config(name, max_bytes_scale, max_age_scale)
             try:
-                await self.js.add_stream(cfg)
-            except BadRequestError:
-                await self.js.update_stream(cfg)
-        await self.kv(S.KV_JOBS)
-        await self.kv(S.KV_WORKERS)
-        await self.kv(S.KV_USERS)
-        await self.kv(S.KV_KEYS)
+                try:
+                    await self.js.add_stream(cfg)
+                except BadRequestError:  # it exists with another config (older limits)
+                    await self.js.update_stream(cfg)
+            except APIError as e:
+                if e.err_code != JS_STORAGE_EXHAUSTED:
+                    raise
+                raise RuntimeError(
+                    f"stream {name}: the JetStream store cannot reserve max_bytes={cfg.max_bytes} "
+                    f"({e.description}); give nats-server a larger `jetstream.max_file_store` (or "
+                    "more free disk), or set a smaller stream_max_bytes_scale") from e
+        for bucket in KV_BUCKETS:
+            await self.kv(bucket)
+            await self._limit_kv(bucket)
         await self.objects(S.OBJ_WEIGHTS)
         await self.objects(S.OBJ_CHECKPOINTS)
 
@@ -173,18 +260,27 @@ class Bus:
         WORKER_TTL_S after its last write (a worker's missed heartbeats)."""
         if bucket not in self._kv:
             try:
-                self._kv[bucket] = await self.js.key_value(bucket)
+                self._kv[bucket] = await self._retry(f"open KV {bucket}", self.js.key_value, bucket)
             except (NotFoundError, nats.js.errors.BucketNotFoundError):
                 ttl = S.WORKER_TTL_S if bucket == S.KV_WORKERS else None
                 history = 1 if bucket == S.KV_WORKERS else 8
-                self._kv[bucket] = await self.js.create_key_value(bucket=bucket, history=history, ttl=ttl)
+                self._kv[bucket] = await self.js.create_key_value(bucket=bucket, history=history, ttl=ttl,
+                                                                  max_value_size=S.KV_MAX_VALUE_BYTES)
         return self._kv[bucket]
+
+    async def _limit_kv(self, bucket: str) -> None:
+        """Give KV bucket `bucket` (made before the limit, say) values of at most
+        S.KV_MAX_VALUE_BYTES (its stream's max_msg_size)."""
+        info = await self._retry(f"read KV {bucket} config", self.js.stream_info, f"KV_{bucket}")
+        if info.config.max_msg_size != S.KV_MAX_VALUE_BYTES:
+            await self.js.update_stream(dataclasses.replace(info.config, max_msg_size=S.KV_MAX_VALUE_BYTES))
 
     async def job_record(self, job_id: str) -> tuple[JobRecord, int] | None:
         """The scheduler's record of `job_id` and its KV revision, or None when there is
         none. Raises msgspec.MsgspecError for an unreadable record."""
+        kv = await self.kv(S.KV_JOBS)
         try:
-            entry = await (await self.kv(S.KV_JOBS)).get(job_id)
+            entry = await self._retry(f"read job record {job_id}", kv.get, job_id)
         except nats.js.errors.KeyNotFoundError:
             return None
         return (decode(entry.value, JobRecord), entry.revision) if entry.value else None
@@ -193,10 +289,15 @@ class Bus:
         """Every live key of `bucket` (starting with `prefix`) -> (value, revision).
 
         One ephemeral pull consumer over the bucket's stream delivering the last
-        message per key, read until the count it started with. (nats-py's `kv.keys()`
-        can end before the first key arrives under load, which once listed no workers
-        at all and made the scheduler requeue healthy jobs.)"""
+        message per key, read until the server says none is pending. Never a partial
+        answer: a read that stalls (the server or connection going away) is started
+        over, and its error raised after RETRY_FOR_S. (nats-py's `kv.keys()` can end
+        before the first key arrives under load, which once listed no workers at all
+        and made the scheduler requeue healthy jobs.)"""
         await self.kv(bucket)
+        return await self._retry(f"list KV {bucket}", self._kv_values_once, bucket, prefix)
+
+    async def _kv_values_once(self, bucket: str, prefix: str) -> dict[str, tuple[bytes, int]]:
         stream, base = f"KV_{bucket}", f"$KV.{bucket}."
         sub = await self.js.pull_subscribe(
             f"{base}{prefix}>" if prefix else f"{base}>", stream=stream,
@@ -211,7 +312,12 @@ class Bus:
                 try:
                     msgs = await sub.fetch(min(left, 256), timeout=5)
                 except nats.errors.TimeoutError:
-                    break  # entries that expired (or were purged) since the count
+                    # entries that expired (or were purged) since the count leave nothing
+                    # pending; anything still pending means the read stalled: start over
+                    left = (await sub.consumer_info()).num_pending
+                    if left > 0:
+                        raise
+                    break
                 for m in msgs:
                     left -= 1
                     key = m.subject[len(base):]
@@ -231,7 +337,7 @@ class Bus:
         """The object store `bucket`, created if missing."""
         if bucket not in self._obj:
             try:
-                self._obj[bucket] = await self.js.object_store(bucket)
+                self._obj[bucket] = await self._retry(f"open object store {bucket}", self.js.object_store, bucket)
             except (NotFoundError, nats.js.errors.BucketNotFoundError):
                 self._obj[bucket] = await self.js.create_object_store(bucket=bucket)
         return self._obj[bucket]
@@ -240,12 +346,12 @@ class Bus:
         """Store `data` under `name` in large chunks."""
         store = await self.objects(bucket)
         meta = api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=OBJ_CHUNK_BYTES))
-        await store.put(name, data, meta=meta)
+        await self._retry(f"put object {bucket}/{name}", store.put, name, data, meta=meta)
 
     async def get_object(self, bucket: str, name: str) -> bytes:
         """The bytes stored under `name`. Raises nats.js.errors.ObjectNotFoundError."""
         store = await self.objects(bucket)
-        return (await store.get(name)).data
+        return (await self._retry(f"get object {bucket}/{name}", store.get, name)).data
 
     async def read_subject(self, subject: str, kind: type[T], limit: int = 10_000) -> list[T]:
         """The messages the streams hold on `subject`, oldest first, decoded as `kind`
@@ -265,7 +371,8 @@ class Bus:
             seq = 1
             while len(out) < limit:
                 try:
-                    raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+                    raw = await self._retry(f"read {stream}", self.js.get_msg, stream, seq=seq, subject=subject,
+                                            next=True)
                 except NotFoundError:
                     break
                 out.append(raw)
@@ -276,7 +383,7 @@ class Bus:
         """The newest message a stream holds on `subject` (RawStreamMsg), or None."""
         for stream in streams_of(subject):
             with contextlib.suppress(NotFoundError):
-                return await self.js.get_last_msg(stream, subject)
+                return await self._retry(f"read {stream}", self.js.get_last_msg, stream, subject)
         return None
 
     # -- publish / request ----------------------------------------------------
@@ -298,9 +405,19 @@ class Bus:
         """Publish `msg` to a JetStream subject and wait for the stream's ack.
 
         `msg_id` (Nats-Msg-Id) makes a retried publish a no-op within the duplicate
-        window. Raises nats.js.errors.NoStreamResponseError if no stream holds `subject`.
+        window. Retried across an outage (module docstring); raises the last transient
+        error after RETRY_FOR_S (no stream holding `subject` looks the same as JetStream
+        being down: NoRespondersError), nats.js.errors.APIError for a refusal (a message
+        over the stream's size limit, say).
         """
-        return await self.js.publish(subject, encode(msg), headers=self.headers(msg, msg_id, traceparent))
+        data, headers = encode(msg), self.headers(msg, msg_id, traceparent)
+        return await self._retry(f"publish to {subject}", self.js.publish, subject, data, headers=headers)
+
+    async def _retry(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any:
+        """`await fn(*args, **kw)`, retried across an outage (see `retrying`)."""
+        async for attempt in retrying(f"{self.service}: {what}"):
+            with attempt:
+                return await fn(*args, **kw)
 
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Publish on core NATS (no persistence), for replies and notifications."""
@@ -356,6 +473,11 @@ class Bus:
 
     async def _answer(self, subject: str, kind: type[T],
                       handler: Callable[[T, Msg], Awaitable[msgspec.Struct]], m: Msg) -> None:
+        if m.reply and not reply_allowed(m.reply):
+            # refused before anything is done: the request is not acted on either
+            await self.dead_letter(m, f"{kind.__name__}: reply subject {m.reply!r} refused "
+                                      "(a service answers only to an _INBOX. subject)")
+            return
         try:
             req = decode(m.data, kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -374,12 +496,35 @@ class Bus:
                 await self.nc.publish(m.reply, encode(reply),
                                       headers=self.headers(reply, None, (m.headers or {}).get(S.H_TRACEPARENT)))
 
+    @staticmethod
+    def reply_allowed(subject: str | None) -> bool:
+        """See the module's `reply_allowed`."""
+        return reply_allowed(subject)
+
     async def dead_letter(self, m: Msg, reason: str) -> None:
-        """Record an unprocessable message on `ot.dlq.<service>` with the reason."""
-        log.warning("dead-letter %s: %s", m.subject, reason)
+        """Record an unprocessable message on `ot.dlq.<service>` with the reason.
+
+        Whatever the message's size, the dead letter fits OT_DLQ: it keeps the first
+        DLQ_PAYLOAD_BYTES of the payload (`payload_bytes` is the original size), the
+        first DLQ_HEADERS headers with names and values cut to DLQ_HEADER_CHARS, and the
+        reason cut to DLQ_REASON_CHARS; `truncated` says whether anything was cut.
+        Never raises for a dead letter that cannot be published (it is logged): the
+        caller still terminates the message.
+        """
+        data = bytes(m.data or b"")
+        headers = {str(k): str(v) for k, v in (m.headers or {}).items()}
+        kept = {k[:DLQ_HEADER_CHARS]: v[:DLQ_HEADER_CHARS] for k, v in list(headers.items())[:DLQ_HEADERS]}
+        truncated = (len(data) > DLQ_PAYLOAD_BYTES or len(reason) > DLQ_REASON_CHARS or len(headers) > DLQ_HEADERS
+                     or any(len(k) > DLQ_HEADER_CHARS or len(v) > DLQ_HEADER_CHARS for k, v in headers.items()))
+        reason = reason[:DLQ_REASON_CHARS]
+        log.warning("dead-letter %s (%d bytes): %s", m.subject, len(data), reason)
         rec = DeadLetter(service=self.service, subject=m.subject, reason=reason,
-                         payload=bytes(m.data), headers=dict(m.headers or {}), time_s=time.time())
-        await self.publish(S.dead_letter(self.service), rec)
+                         payload=data[:DLQ_PAYLOAD_BYTES], headers=kept, time_s=time.time(),
+                         payload_bytes=len(data), truncated=truncated)
+        try:
+            await self.publish(S.dead_letter(self.service), rec)
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            log.error("could not dead-letter %s (%s): %r", m.subject, reason[:200], e)
 
     # -- consume --------------------------------------------------------------
 
@@ -392,13 +537,19 @@ class Bus:
             max_deliver=max_deliver, filter_subject=filter_subject, deliver_policy=deliver_policy,
             max_ack_pending=10_000,
         )
-        return await self.js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=cfg)
+        return await self._retry(f"consumer {durable} on {stream}", self.js.pull_subscribe, filter_subject,
+                                 durable=durable, stream=stream, config=cfg)
 
     async def fetch(self, sub, batch: int = 1, timeout_s: float = 1.0) -> list[Msg]:
-        """Up to `batch` messages, or [] when none arrive within `timeout_s`."""
+        """Up to `batch` messages, or [] when none arrive within `timeout_s` (or the
+        connection is down: the caller's loop simply asks again after reconnecting)."""
         try:
             return await sub.fetch(batch, timeout=timeout_s)
         except asyncio.TimeoutError:  # nats.py raises its own subclass or, at times, this base
+            return []
+        except TRANSIENT as e:
+            log.warning("%s: fetch failed (%r); asking again", self.service, e)
+            await asyncio.sleep(1.0)
             return []
 
     async def decode_or_dead_letter(self, m: Msg, kind: type[T]) -> T | None:
@@ -422,11 +573,17 @@ class Bus:
                     continue
                 try:
                     await handler(item, m)
+                except MessageRefused as e:
+                    await self.dead_letter(m, str(e))
+                    await m.term()
+                    continue
                 except Exception:
                     log.exception("handler failed on %s; will be redelivered", m.subject)
-                    await m.nak(delay=2.0)
+                    with contextlib.suppress(nats.errors.Error):  # else redelivered after ack_wait
+                        await m.nak(delay=2.0)
                     continue
-                await m.ack()
+                with contextlib.suppress(nats.errors.Error):  # an ack lost in an outage: redelivered
+                    await m.ack()
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:

@@ -42,11 +42,17 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     serve_url: str = ""
     max_jobs_per_user: int = 4    # scheduler quota: a user's jobs placed at once
     max_workers_per_user: int = 8  # scheduler quota: workers a user's placed jobs hold
+    max_unfinished_jobs_per_user: int = 32  # scheduler: queued + running jobs of one user (admins: no limit)
     api_host: str = "127.0.0.1"   # the scheduler's REST API and dashboard
     api_port: int = 8470          # 0 = no REST API
     # the auth callout issuer's account nkey seed file (natsauth.py): the scheduler then
     # answers nats-server's auth callout, so users connect to NATS with their API key
     nats_callout_issuer_file: str = ""
+    # the xkey seed the callout's requests are sealed to (`auth_callout.xkey`)
+    nats_callout_xkey_file: str = ""
+    # a system-account nkey seed: the scheduler disconnects a revoked key's live
+    # connections with it (without one they last until their JWT expires)
+    nats_system_nkey_file: str = ""
     log_level: str = "INFO"
     recorder_flush_rows: int = 256
     recorder_flush_s: float = 2.0
@@ -55,6 +61,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     recorder_ack_wait_s: float = 30.0
     envhost_max_concurrency: int = 16  # user env calls running at once (threads)
     envhost_episode_ttl_s: float = 600.0  # an episode untouched this long is dropped
+    # JetStream limits (schemas.subjects.STREAM_LIMITS) scaled for this deployment: every
+    # stream's max_bytes and max_age times these; set them alike for every service
+    stream_max_bytes_scale: float = 1.0
+    stream_max_age_scale: float = 1.0
 
     @property
     def log_dir(self) -> Path:

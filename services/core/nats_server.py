@@ -2,9 +2,12 @@
 beside the Python interpreter) with JetStream on a data directory, loopback only.
 
 With `auth=True` the server authenticates every connection (natsauth.py): services with
-the nkey in `<store>/auth/service.nk`, users with an API key through the scheduler's
-auth callout, whose issuer seed is `<store>/auth/callout-issuer.nk`. Both seed files are
-made once (mode 0600); the config holds only their public keys."""
+the nkey in `<store>/auth/service.nk` (account OT), users with an API key through the
+scheduler's auth callout (account TENANTS), whose issuer seed is
+`<store>/auth/callout-issuer.nk` and whose requests are sealed to the xkey
+`<store>/auth/callout.xk`; the scheduler's system-account nkey is
+`<store>/auth/system.nk`. The seed files are made once (mode 0600); the config holds
+only their public keys."""
 
 from __future__ import annotations
 
@@ -55,6 +58,22 @@ class NatsServer:
         return self.store_dir / "auth" / "callout-issuer.nk"
 
     @property
+    def xkey_seed_file(self) -> Path:
+        """The auth callout's xkey seed (the scheduler's); with auth only."""
+        return self.store_dir / "auth" / "callout.xk"
+
+    @property
+    def system_seed_file(self) -> Path:
+        """The system account's nkey seed (the scheduler kicks revoked keys with it)."""
+        return self.store_dir / "auth" / "system.nk"
+
+    def scheduler_env(self) -> dict[str, str]:
+        """The environment a scheduler on this server needs to answer the auth callout."""
+        return {"OPENTINKER_NATS_CALLOUT_ISSUER_FILE": str(self.issuer_seed_file),
+                "OPENTINKER_NATS_CALLOUT_XKEY_FILE": str(self.xkey_seed_file),
+                "OPENTINKER_NATS_SYSTEM_NKEY_FILE": str(self.system_seed_file)}
+
+    @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
@@ -87,7 +106,9 @@ class NatsServer:
         from opentinker.services.core.natsauth import ensure_seed_file, server_auth_config
 
         return server_auth_config(ensure_seed_file(self.service_seed_file, "user"),
-                                  ensure_seed_file(self.issuer_seed_file, "account"))
+                                  ensure_seed_file(self.issuer_seed_file, "account"),
+                                  ensure_seed_file(self.xkey_seed_file, "curve"),
+                                  ensure_seed_file(self.system_seed_file, "user"))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server by its own PID (SIGTERM, then SIGKILL)."""

@@ -87,8 +87,12 @@ class Heartbeat:
 
 
 async def live_workers(bus: Bus, pool: str) -> dict[str, WorkerInfo]:
-    """The pool's workers with a heartbeat younger than WORKER_TTL_S, by worker id."""
-    now = time.time()
+    """The pool's workers with a heartbeat younger than WORKER_TTL_S, by worker id.
+
+    Age is the server's business, not a clock comparison: the bucket's TTL (max age)
+    makes nats-server itself drop an entry WORKER_TTL_S after its last write, by the
+    server's clock, so a worker whose clock runs ahead or behind the scheduler's is
+    neither kept alive nor declared lost by that skew."""
     out = {}
     for _key, (value, _rev) in (await bus.kv_values(S.KV_WORKERS, f"{pool}.")).items():
         try:
@@ -96,6 +100,8 @@ async def live_workers(bus: Bus, pool: str) -> dict[str, WorkerInfo]:
         except msgspec.MsgspecError as e:
             log.warning("ignoring an unreadable worker entry %s: %s", _key, e)
             continue
-        if now - info.time_s < S.WORKER_TTL_S:
+        if _key == f"{info.pool}.{info.worker_id}":
             out[info.worker_id] = info
+        else:
+            log.warning("ignoring worker entry %s: it describes %s.%s", _key, info.pool, info.worker_id)
     return out

@@ -2,6 +2,8 @@
 
 Role: runs user (and built-in) environment code; one game instance per episode, held
 in this process from reset to done (sticky), so more envhost processes add capacity.
+Episodes are keyed by (job id, episode id): a request naming one job never reaches
+another job's game, whatever episode id it names.
 User code runs in threads (a slow env does not block the host), at most
 `envhost_max_concurrency` calls at once; an episode idle for `envhost_episode_ttl_s`
 is dropped. An exception in user code ends that episode with `error` =
@@ -129,7 +131,7 @@ class EnvHost:
         self.envs = envs
         self.host_id = host_id
         self.episode_ttl_s = episode_ttl_s
-        self.episodes: dict[str, Episode] = {}
+        self.episodes: dict[tuple[str, str], Episode] = {}  # (job id, episode id) -> its game
         # Bounds the user code running at once; calls beyond it wait for a thread.
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="env")
 
@@ -161,29 +163,30 @@ class EnvHost:
                                                          req.state)
         except Exception as e:  # user code
             return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
-        self.episodes[req.episode_id] = Episode(name, game, time.monotonic())
+        self.episodes[(req.job_id, req.episode_id)] = Episode(name, game, time.monotonic())
         return EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user, tools=tools)
 
     async def step(self, req: EnvStepRequest, m: Msg) -> EnvStepReply:
-        ep = self.episodes.get(req.episode_id)
+        key = (req.job_id, req.episode_id)
+        ep = self.episodes.get(key)
         if ep is None:
-            return EnvStepReply(error=f"episode_id: {req.episode_id!r} is not open on host "
-                                      f"{self.host_id} (never reset here, done, closed or expired)")
+            return EnvStepReply(error=f"episode_id: {req.episode_id!r} of job {req.job_id!r} is not open on "
+                                      f"host {self.host_id} (never reset here, done, closed or expired)")
         # A retried step must not run user code twice at once on one game.
         async with ep.lock:
             ep.last_used = time.monotonic()
             try:
                 reply = await self._user(take_step, ep.game, req.action)
             except Exception as e:  # user code
-                self.episodes.pop(req.episode_id, None)
+                self.episodes.pop(key, None)
                 return EnvStepReply(error=self._failed("step", ep.env, req.episode_id, e), done=True)
             ep.last_used = time.monotonic()
         if reply.done:
-            self.episodes.pop(req.episode_id, None)
+            self.episodes.pop(key, None)
         return reply
 
     async def close(self, req: EnvCloseRequest, m: Msg) -> EnvStepReply:
-        self.episodes.pop(req.episode_id, None)
+        self.episodes.pop((req.job_id, req.episode_id), None)
         return EnvStepReply(done=True)
 
     def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""Trajectories -> padded, target-aligned training tensors; micro-batching.
+"""Trajectories -> per-episode advantages, padded target-aligned training tensors;
+micro-batching.
 
 Alignment: a causal LM's logits at position t predict token t+1. Every per-token
 tensor here is stored "target-aligned": column t holds the loss mask and the
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from opentinker.schemas import Trajectory
+from opentinker.services.learner.loss import group_advantages, turn_advantages
 
 
 class Batch(NamedTuple):
@@ -45,7 +47,7 @@ def check_trajectory(traj: Trajectory, vocab_size: int) -> None:
     """Check what msgspec's type check cannot: lengths, mask values, token range.
 
     An episode that ended on an error may hold few or no tokens and no policy token: it
-    is valid (its reward still counts in its group; it adds nothing to the loss).
+    is valid (step_advantages leaves it out of its group and of the loss).
     Raises ValueError naming the offending field.
     """
     n = len(traj.token_ids)
@@ -79,15 +81,83 @@ def token_advantages(traj: Trajectory, per_turn: Sequence[float]) -> list[float]
 Advantage = float | Sequence[float]
 
 
-def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pad_id: int) -> Batch:
+class StepAdvantages(NamedTuple):
+    """A step's advantages, episodes in group order.
+
+    advantages: [n_episodes] of float (episode credit) or of [len(token_ids)] lists
+                (turn credit, token_advantages); 0 for an excluded episode
+    excluded:   [n_episodes] bool, True where the episode must not train (loss mask 0)
+    """
+
+    advantages: list[Advantage]
+    excluded: list[bool]
+
+    @property
+    def excluded_frac(self) -> float:
+        """Episodes excluded / episodes in the step (0.0 for an empty step)."""
+        return sum(self.excluded) / len(self.excluded) if self.excluded else 0.0
+
+
+def step_advantages(trajs: Sequence[Trajectory], prompts_per_step: int, group_size: int,
+                    credit: str = "episode", turn_discount: float = 1.0) -> StepAdvantages:
+    """Group-relative advantages of a step, leaving out episodes that ended on an error.
+
+    trajs: [prompts_per_step * group_size] episodes, group g at [g * group_size, (g + 1) *
+    group_size). credit "episode": one float per episode, GRPO's (r_i - mean) / (std +
+    1e-6) (loss.group_advantages; Shao et al. 2024, arXiv 2402.03300, eq. 3); "turn": a
+    per-token list per episode, loss.turn_advantages with `turn_discount` spread over
+    each turn's policy tokens.
+    An episode with a non-empty `error` (an environment or engine failure) is excluded:
+    its reward says nothing about the policy, so the group's mean and std are those of
+    the group's other episodes, and it gets advantage 0 and loss mask 0. A group left
+    with fewer than 2 such episodes has no baseline to compare with: every episode of it
+    is excluded (no gradient, not even the KL term's).
+    Raises ValueError when len(trajs) != prompts_per_step * group_size or `credit` is
+    neither "episode" nor "turn".
+    """
+    if len(trajs) != prompts_per_step * group_size:
+        raise ValueError(f"{len(trajs)} episodes for {prompts_per_step} groups of {group_size}")
+    if credit not in ("episode", "turn"):
+        raise ValueError(f"credit must be 'episode' or 'turn', got {credit!r}")
+    advantages: list[Advantage] = []
+    excluded: list[bool] = []
+    for g in range(prompts_per_step):
+        group = trajs[g * group_size:(g + 1) * group_size]
+        kept = [t for t in group if not t.error]
+        if len(kept) < 2:
+            kept = []  # one episode is its own mean: GRPO's baseline needs >= 2
+        adv_kept: list[Advantage] = []
+        if kept and credit == "turn":
+            [per_turn] = turn_advantages([[[turn.reward for turn in t.turns] for t in kept]], turn_discount)
+            adv_kept = [token_advantages(t, a) for t, a in zip(kept, per_turn)]
+        elif kept:
+            rewards = torch.tensor([[t.reward for t in kept]], dtype=torch.float64)
+            adv_kept = group_advantages(rewards).view(-1).tolist()
+        it = iter(adv_kept)
+        for t in group:
+            keep = bool(kept) and not t.error
+            if keep:
+                advantages.append(next(it))
+            else:
+                advantages.append([0.0] * len(t.token_ids) if credit == "turn" else 0.0)
+            excluded.append(not keep)
+    return StepAdvantages(advantages, excluded)
+
+
+def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pad_id: int,
+                exclude: Sequence[bool] | None = None) -> Batch:
     """Pad `trajs` (right) into a target-aligned Batch; `advantages[i]` belongs to `trajs[i]`:
     a float per episode, or a [len(token_ids)] list per token (token_advantages).
+    `exclude[i]` True gives episode i loss mask 0 (StepAdvantages.excluded); its tokens
+    still go through the model, but nothing of them reaches the loss.
 
-    Raises ValueError when the two lengths differ, `trajs` is empty, or a per-token
-    list does not match its episode's length.
+    Raises ValueError when the lengths differ, `trajs` is empty, or a per-token list
+    does not match its episode's length.
     """
     if not trajs or len(trajs) != len(advantages):
         raise ValueError(f"need one advantage per trajectory, got {len(advantages)} for {len(trajs)}")
+    if exclude is not None and len(exclude) != len(trajs):
+        raise ValueError(f"need one exclude flag per trajectory, got {len(exclude)} for {len(trajs)}")
     B = len(trajs)
     T = max(2, max(len(t.token_ids) for t in trajs))
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -103,6 +173,8 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pa
             continue
         input_ids[b, :n] = torch.tensor(t.token_ids, dtype=torch.long)
         attention_mask[b, :n] = 1
+        if exclude is not None and exclude[b]:
+            continue
         # shift left by one: column j describes token j+1
         loss_mask[b, : n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
         logprobs[b, : n - 1] = torch.tensor(t.logprobs[1:], dtype=torch.float32)
@@ -120,10 +192,10 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pa
 
 
 def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], micro_batch_size: int,
-                  pad_id: int) -> list[Batch]:
+                  pad_id: int, exclude: Sequence[bool] | None = None) -> list[Batch]:
     """Split a step's episodes into Batches of at most `micro_batch_size`, grouping
     episodes of similar length so that little compute goes to padding (the gradient is
-    a sum over episodes, so order does not matter).
+    a sum over episodes, so order does not matter). `exclude` as in build_batch.
     """
     if micro_batch_size < 1:
         raise ValueError("micro_batch_size must be >= 1")
@@ -131,5 +203,6 @@ def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], 
     out = []
     for k in range(0, len(order), micro_batch_size):
         idx = order[k: k + micro_batch_size]
-        out.append(build_batch([trajs[i] for i in idx], [advantages[i] for i in idx], pad_id))
+        out.append(build_batch([trajs[i] for i in idx], [advantages[i] for i in idx], pad_id,
+                               None if exclude is None else [exclude[i] for i in idx]))
     return out

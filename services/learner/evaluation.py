@@ -8,7 +8,8 @@ problems are the same at every evaluation (their seeds depend only on the job's 
 and the episode index), so the curve compares policies, not problem sets. The
 episodes travel the job's own rollout and trajectory subjects (the recorder logs them
 with their split); the learner tells them apart by request id
-(`<job>-eval-v<version>-e<i>`), so they never enter a training step.
+(`<job>-eval-v<version>-r<run>-e<i>`, with the learner run that asked), so they never
+enter a training step, and a resumed run never counts a lost run's episodes.
 
 Metric keys: reward_mean, reward_std, correct_frac (episodes whose env info says
 `correct`, or, without that key, whose reward is > 0), episodes, gen_tokens_mean,
@@ -35,8 +36,8 @@ def eval_seed(seed: int, index: int) -> int:
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
-def eval_prefix(job_id: str, version: int) -> str:
-    return f"{job_id}-eval-v{version}-"
+def eval_prefix(job_id: str, version: int, run: str = "") -> str:
+    return f"{job_id}-eval-v{version}-" + (f"r{run}-" if run else "")
 
 
 def parse_eval_request_id(job_id: str, request_id: str) -> int | None:
@@ -65,9 +66,11 @@ def summarize(trajs: list[Trajectory]) -> dict[str, float]:
 class Evaluator:
     """The evaluations of one job: which are due, their requests, and their results."""
 
-    def __init__(self, job_id: str, spec: JobSpec):
+    def __init__(self, job_id: str, spec: JobSpec, run: str = "", attempt: int = 0):
         self.job_id = job_id
         self.spec = spec
+        self.run_id = run       # the learner run asking (its weights are the ones evaluated)
+        self.attempt = attempt  # the placement attempt it runs under
         self.pending: dict[int, dict[str, Trajectory]] = {}  # version -> episode id -> traj
         self.started_s: dict[int, float] = {}
 
@@ -88,11 +91,12 @@ class Evaluator:
                                            top_p=1.0 if spec.eval_temperature == 0 else spec.sampling.top_p)
         self.pending[version] = {}
         self.started_s[version] = time.monotonic()
-        prefix = eval_prefix(self.job_id, version)
+        prefix = eval_prefix(self.job_id, version, self.run_id)
         return [RolloutRequest(job_id=self.job_id, request_id=f"{prefix}e{i}", step=version, group_index=i,
                                group_seed=eval_seed(spec.seed, i), policy_version=version, model=spec.model,
                                env=spec.env, env_args=spec.env_args, group_size=1, sampling=sampling,
-                               engine=spec.engine, split=spec.eval_split)
+                               engine=spec.engine, split=spec.eval_split, attempt=self.attempt,
+                               policy_run=self.run_id)
                 for i in range(spec.eval_episodes)]
 
     def add(self, traj: Trajectory) -> Metrics | None:
@@ -100,7 +104,7 @@ class Evaluator:
         are in (and forgets it), else None. Episodes of an evaluation this run did not
         ask for (a lost run's, replayed after a resume) are ignored."""
         v = parse_eval_request_id(self.job_id, traj.request_id)
-        if v is None or v not in self.pending:
+        if v is None or v not in self.pending or not traj.request_id.startswith(eval_prefix(self.job_id, v, self.run_id)):
             return None
         got = self.pending[v]
         got[traj.episode_id] = traj

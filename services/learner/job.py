@@ -5,6 +5,21 @@ Per step: ask for rollouts (at most max_staleness + 1 steps in flight), wait for
 group of the step, train one optimizer step (loss.py; episode- or turn-level credit),
 publish the new weights and the step's metrics, evaluate when due (evaluation.py),
 checkpoint every `checkpoint_every` steps (checkpoint.py), repeat.
+
+Lineage and fencing. Every run of a job (a first start, a resume after a crash or a
+requeue) has a fresh run id: its request ids, weight events, metrics and evaluation
+ids carry it, rollout samples with that run's weights only and stamps trajectories
+with it, and the learner trains only on its own run's samples. So a resumed run (back
+at its checkpoint's policy version) never mistakes a lost run's newer policy, or
+trajectories, for its own, and JetStream's deduplication never swallows its messages
+as repeats of the lost run's. Before each weight event and checkpoint the run checks
+that the job record still names its placement attempt: a learner that missed its
+requeue stops instead of overwriting the new attempt's checkpoint.
+
+Bounded waits. A group that is not complete `spec.rollout_timeout_s` after it was asked
+for is asked again (a dead-lettered request, a lost worker), and a group whose every
+episode ended on an error is asked again with that error as the reason; each counts
+toward MAX_ATTEMPTS, after which the job fails naming the last reason.
 """
 
 from __future__ import annotations
@@ -15,6 +30,7 @@ import contextvars
 import gc
 import hashlib
 import logging
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -25,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
@@ -40,9 +55,8 @@ from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.models import resolve_model
 from opentinker.services.learner import checkpoint
-from opentinker.services.learner.batching import check_trajectory, micro_batches, token_advantages
+from opentinker.services.learner.batching import StepAdvantages, check_trajectory, micro_batches, step_advantages
 from opentinker.services.learner.evaluation import Evaluator, parse_eval_request_id
-from opentinker.services.learner.loss import group_advantages, turn_advantages
 
 log = logging.getLogger("opentinker.learner")
 
@@ -66,10 +80,14 @@ def group_seed(seed: int, step: int, group_index: int) -> int:
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
-def request_id(job_id: str, step: int, group_index: int, attempt: int) -> str:
-    """`<job>-s<step>-g<group>`, plus `-a<n>` when a dropped group is asked again."""
+def request_id(job_id: str, step: int, group_index: int, attempt: int, run: str = "") -> str:
+    """`<job>-s<step>-g<group>`, plus `-a<n>` when a dropped group is asked again, plus
+    `-r<run>` for the learner run asking (unique per run: episode ids and the stream's
+    deduplication ids derive from it)."""
     base = f"{job_id}-s{step}-g{group_index}"
-    return base if attempt == 0 else f"{base}-a{attempt}"
+    if attempt:
+        base += f"-a{attempt}"
+    return f"{base}-r{run}" if run else base
 
 
 class JobStopped(Exception):
@@ -89,6 +107,8 @@ class Held:
 class StepStats:
     dropped_stale: int = 0
     dropped_invalid: int = 0
+    dropped_error: int = 0   # groups whose every episode ended on an error
+    timed_out: int = 0       # groups asked again after rollout_timeout_s
     wait_s: float = 0.0
 
 
@@ -105,6 +125,7 @@ class JobRun:
         self.spec: JobSpec = assigned.spec
         self.incarnation = incarnation
         self.attempt = assigned.attempt  # the scheduler's placement attempt (0: unplaced)
+        self.run_id = secrets.token_hex(4)  # this run's lineage (module docstring)
         self.rollout_workers = list(assigned.rollout_workers)
         self.cancelled = asyncio.Event()
         self.requeued = asyncio.Event()
@@ -119,8 +140,9 @@ class JobRun:
         self.skip: set[int] = set()                     # used by a checkpointed step (resume)
         self.traj_floor = 0
         self.used_seqs: set[int] = set()
+        self.asked_at: dict[tuple[int, int], float] = {}  # (step, group) -> when asked (monotonic)
         self.stats = StepStats()
-        self.evaluator = Evaluator(self.job_id, self.spec)
+        self.evaluator = Evaluator(self.job_id, self.spec, self.run_id, self.attempt)
         self.sub = None
         self.events_sub = None
         self.scratch = Path()  # a temporary folder for checkpoint files, made by run()
@@ -158,9 +180,22 @@ class JobRun:
         return S.rollout(self.job_id, self.rollout_workers[index % len(self.rollout_workers)])
 
     def publish_id(self, request_id: str) -> str:
-        """The Nats-Msg-Id of a request: a requeued job asks the same request of new
-        workers, which deduplication must not swallow."""
+        """The Nats-Msg-Id of a request (its id names the run; the attempt too, for ids
+        without a run)."""
         return f"{request_id}@a{self.attempt}"
+
+    async def fence(self) -> None:
+        """Raise JobStopped unless the job record still names this run's placement
+        attempt and is not terminal (a learner that missed its requeue or cancel event
+        must not publish weights or overwrite the checkpoint of the attempt that owns
+        the job now). A job run without a scheduler (attempt 0) is not fenced."""
+        if not self.attempt:
+            return
+        why = await self.not_runnable(requeued=True)
+        if why:
+            log.warning("job %s: %s; this run stops", self.job_id, why)
+            self.requeued.set()
+            raise JobStopped("requeued")
 
     async def not_runnable(self, requeued: bool = False) -> str:
         """Why this assignment must not run ('' if it may): the job is terminal, the
@@ -187,6 +222,8 @@ class JobRun:
             ev = decode(m.data, JobStateChanged)
         except msgspec.MsgspecError:
             return  # the scheduler dead-letters bad events on its durable consumer
+        if ev.job_id != self.job_id:
+            return  # a body naming another job than the subject: not about this job
         if ev.source != SERVICE and ev.state.terminal:
             log.info("job %s %s by %s: stopping", self.job_id, ev.state.value, ev.source or "?")
             self.cancelled.set()
@@ -198,11 +235,17 @@ class JobRun:
     # -- main -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Announce RUNNING, follow the job's events (cancel) and build the engine."""
+        """Announce RUNNING, follow the job's events (cancel), read the job's owner
+        (self.tenant) and build the engine. Raises SpecError naming `model` for a model
+        path the owner may not name (services/core/access.py)."""
+        from opentinker.services.core import access
+
         self.scratch = Path(tempfile.mkdtemp(prefix=f"learner-{self.job_id}-"))
         self.events_sub = await self.bus.nc.subscribe(self.subject("events"), cb=self.on_event)
         await self.announce(JobState.RUNNING)
-        model_path = await self.in_engine(resolve_model, self.spec.model, self.settings.home)
+        self.tenant = await access.tenant_of_job(self.bus, self.job_id)
+        model = access.check_model_ref(self.spec.model, **self.tenant.rules(self.settings.home))
+        model_path = await self.in_engine(resolve_model, model, self.settings.home)
         from opentinker.services.learner.engine_deepspeed import TrainEngine
 
         self.engine = await self.in_engine(TrainEngine, self.spec, model_path, self.settings.device)
@@ -286,15 +329,17 @@ class JobRun:
     # -- rollout requests -------------------------------------------------------
 
     def current_rid(self, step: int, group_index: int) -> str:
-        return request_id(self.job_id, step, group_index, self.attempts[step][group_index])
+        return request_id(self.job_id, step, group_index, self.attempts[step][group_index], self.run_id)
 
     async def request_group(self, step: int, i: int) -> None:
         rid = self.current_rid(step, i)
         spec = self.spec
+        self.asked_at[(step, i)] = time.monotonic()
         req = RolloutRequest(job_id=self.job_id, request_id=rid, step=step, group_index=i,
                              group_seed=group_seed(spec.seed, step, i), policy_version=self.version,
                              model=spec.model, env=spec.env, env_args=spec.env_args,
-                             group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine)
+                             group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine,
+                             attempt=self.attempt, policy_run=self.run_id)
         # the root of the group's trace: rollout, envhost and this learner's
         # trajectory spans follow it through the message headers
         with tracing.span("learner.request", kind=tracing.SpanKind.PRODUCER,
@@ -308,6 +353,7 @@ class JobRun:
         for s in range(max(self.step, self.requested_upto + 1), last + 1):
             self.attempts.setdefault(s, [0] * self.spec.prompts_per_step)
             for i in range(self.spec.prompts_per_step):
+                self.check_live()  # a requeue or cancel stops even a long round of asking
                 await self.request_group(s, i)
         self.requested_upto = max(self.requested_upto, last)
 
@@ -321,20 +367,37 @@ class JobRun:
             await held.msg.ack()
         if self.attempts[step][i] + 1 >= MAX_ATTEMPTS:
             raise RuntimeError(f"group {rid}: {MAX_ATTEMPTS} attempts dropped, the last as {why}; "
-                               "is the rollout side sampling an old policy or sending bad trajectories?")
+                               "is the rollout side sampling an old policy, failing, or sending bad trajectories?")
         self.attempts[step][i] += 1
         if why == "stale":
             self.stats.dropped_stale += 1
+        elif why.startswith("timeout"):
+            self.stats.timed_out += 1
+        elif why.startswith("every episode failed"):
+            self.stats.dropped_error += 1
+            # an environment or engine failing outright (a restart, say) is given time
+            # to come back: 1, 2, 4, ... up to 30 s (and rollout_timeout_s) between
+            # attempts, ~1.5 min in all by default
+            await self.pause(min(2.0 ** (self.attempts[step][i] - 1), 30.0, self.spec.rollout_timeout_s))
         else:
             self.stats.dropped_invalid += 1
         log.info("job %s: dropped group %s (%s); asking again", self.job_id, rid, why)
         await self.request_group(step, i)
 
+    async def pause(self, seconds: float) -> None:
+        """Sleep `seconds`, stopping at once on a cancel, requeue or shutdown."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.check_live()
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
     # -- trajectories -----------------------------------------------------------
 
     def lag_ok(self, traj: Trajectory) -> bool:
         if not any(traj.loss_mask):
-            return True  # no sampled token (an early error): only its reward counts
+            return True  # no sampled token (an early error): nothing of it is trained
+        if traj.policy_version > 0 and traj.policy_run != self.run_id:
+            return False  # another run's policy of that number (module docstring: lineage)
         lag = self.version - traj.policy_version
         # a version newer than ours comes from a run that did not survive (resume)
         return 0 <= lag <= self.spec.max_staleness
@@ -389,7 +452,10 @@ class JobRun:
             await self.drop_group(traj.step, traj.group_index, "stale")
 
     async def wait_for_step(self) -> list[list[Held]]:
-        """Fetch trajectories until every group of `self.step` is complete and fresh."""
+        """Fetch trajectories until every group of `self.step` is complete and fresh.
+        A group missing `rollout_timeout_s` after it was asked for, or whose every
+        episode failed, is asked again (drop_group; raises RuntimeError past
+        MAX_ATTEMPTS)."""
         t0 = time.monotonic()
         s, spec = self.step, self.spec
         while True:
@@ -399,8 +465,17 @@ class JobRun:
                 group = self.buffers.get(s, {}).get(self.current_rid(s, i), {})
                 if len(group) < spec.group_size:
                     ready = False
+                    waited = time.monotonic() - self.asked_at.get((s, i), t0)
+                    if waited > spec.rollout_timeout_s:
+                        await self.drop_group(s, i, f"timeout: {len(group)} of {spec.group_size} episodes "
+                                                    f"{waited:.0f} s after asking (is a rollout worker serving it? "
+                                                    "see ot.dlq.rollout)")
                 elif not all(self.lag_ok(h.traj) for h in group.values()):
                     await self.drop_group(s, i, "stale")
+                    ready = False
+                elif all(h.traj.error for h in group.values()):
+                    err = next(iter(group.values())).traj.error
+                    await self.drop_group(s, i, f"every episode failed: {err[:500]}")
                     ready = False
             if ready:
                 break
@@ -415,6 +490,7 @@ class JobRun:
         """Ask for an evaluation of the current policy if one is due (evaluation.py)."""
         if not self.evaluator.due(self.version):
             return
+        await self.fence()
         for i, req in enumerate(self.evaluator.requests(self.version)):
             await self.bus.publish(self.rollout_subject(i), req, msg_id=self.publish_id(req.request_id))
         log.info("job %s: evaluating policy version %d on %d %s episodes", self.job_id, self.version,
@@ -425,7 +501,7 @@ class JobRun:
         metrics = self.evaluator.add(traj)
         if metrics is not None:
             await self.bus.publish(self.subject("metrics"), metrics,
-                                   msg_id=f"{self.job_id}-eval-m{metrics.policy_version}")
+                                   msg_id=f"{self.job_id}-eval-m{metrics.policy_version}-r{self.run_id}")
             log.info("job %s eval at policy version %d: reward %.3f, correct %.3f",
                      self.job_id, metrics.policy_version, metrics.values["reward_mean"],
                      metrics.values["correct_frac"])
@@ -442,22 +518,18 @@ class JobRun:
 
     # -- training ---------------------------------------------------------------
 
-    def advantages(self, trajs: list[Trajectory]) -> list[float] | list[list[float]]:
-        """Per-episode (GRPO) or per-token (turn-level credit) advantages, trajs in group order."""
+    def advantages(self, trajs: list[Trajectory]) -> StepAdvantages:
+        """Per-episode (GRPO) or per-token (turn-level credit) advantages, trajs in group
+        order, and which episodes are excluded (errors; batching.step_advantages)."""
         spec = self.spec
-        G, N = spec.prompts_per_step, spec.group_size
-        if spec.advantage == "turn":
-            turns = [[[turn.reward for turn in t.turns] for t in trajs[g * N:(g + 1) * N]] for g in range(G)]
-            per_turn = [a for group in turn_advantages(turns, spec.turn_discount) for a in group]
-            return [token_advantages(t, a) for t, a in zip(trajs, per_turn)]
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        return group_advantages(rewards.view(G, N)).view(-1).tolist()
+        return step_advantages(trajs, spec.prompts_per_step, spec.group_size, spec.advantage, spec.turn_discount)
 
     def _train_blocking(self, trajs: list[Trajectory]) -> dict[str, float]:
         with tracing.span("learner.batch", attrs={"ot.episodes": len(trajs)}):
             adv = self.advantages(trajs)
-            batches = micro_batches(trajs, adv, self.spec.micro_batch_size, self.engine.pad_id)
-        return self.engine.train_step(batches)
+            batches = micro_batches(trajs, adv.advantages, self.spec.micro_batch_size, self.engine.pad_id,
+                                    exclude=adv.excluded)
+        return {**self.engine.train_step(batches), "excluded_frac": adv.excluded_frac}
 
     async def train(self, groups: list[list[Held]]) -> None:
         with tracing.span("learner.step", attrs={"ot.job_id": self.job_id, "ot.step": self.step}):
@@ -498,6 +570,7 @@ class JobRun:
             await self._publish_weights()
 
     async def _publish_weights(self) -> None:
+        await self.fence()
         data = await self.in_engine(self.engine.weights_bytes)
         v = self.version
         name = f"{self.job_id}/v{v}"
@@ -509,11 +582,10 @@ class JobRun:
             size_bytes=len(data), lora_rank=spec.lora_rank if spec.lora_rank > 0 else 0,
             lora_alpha=spec.lora_alpha if spec.lora_rank > 0 else 0,
             target_modules=list(spec.lora_target_modules) if spec.lora_rank > 0 else [],
-            step=max(self.step - 1, 0), time_s=time.time())
-        # a resumed run re-makes versions a lost run already announced: a fresh id
-        # keeps JetStream's deduplication from swallowing the new bytes' event
-        msg_id = f"{self.job_id}-w{v}" if self.incarnation <= 1 else f"{self.job_id}-w{v}-i{self.incarnation}"
-        await self.bus.publish(self.subject("weights"), ev, msg_id=msg_id)
+            step=max(self.step - 1, 0), time_s=time.time(), run=self.run_id, attempt=self.attempt)
+        # a resumed run re-makes versions a lost run already announced: the run in the
+        # id keeps JetStream's deduplication from swallowing the new bytes' event
+        await self.bus.publish(self.subject("weights"), ev, msg_id=f"{self.job_id}-w{v}-r{self.run_id}")
         keep = max(KEEP_WEIGHT_VERSIONS, self.spec.max_staleness + 2)
         if v - keep >= 0:
             store = await self.bus.objects(S.OBJ_WEIGHTS)
@@ -542,21 +614,29 @@ class JobRun:
             "wait_time_s": self.stats.wait_s,
             "dropped_stale": float(self.stats.dropped_stale),
             "dropped_invalid": float(self.stats.dropped_invalid),
+            "dropped_error": float(self.stats.dropped_error),
+            "timed_out": float(self.stats.timed_out),
             "episode_len_mean": statistics.fmean(len(t.token_ids) for t in trajs),
             "gen_tokens_mean": statistics.fmean(gen_tokens),
             "turns_mean": statistics.fmean(len(t.turns) for t in trajs),
             "error_frac": sum(1 for t in trajs if t.error) / len(trajs),
+            "excluded_frac": out["excluded_frac"],
+            "episodes": float(len(trajs)),
         }
-        await self.step_done(s, values)
+        await self.step_done(s, values, list(dict.fromkeys(t.request_id for t in trajs)))
 
     def checkpoint_due(self) -> bool:
         """After a step: every `checkpoint_every` steps, and after the last."""
         return self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps
 
-    async def step_done(self, s: int, values: dict[str, float]) -> None:
-        """Publish step `s`'s Metrics (split "train") and a RUNNING event for it."""
-        m = Metrics(job_id=self.job_id, step=s, policy_version=self.version, values=values, time_s=time.time())
-        await self.bus.publish(self.subject("metrics"), m, msg_id=f"{self.job_id}-m{s}")
+    async def step_done(self, s: int, values: dict[str, float], groups: list[str] | None = None) -> None:
+        """Publish step `s`'s Metrics (split "train"; `groups`: the request ids it was
+        trained on) and a RUNNING event for it."""
+        m = Metrics(job_id=self.job_id, step=s, policy_version=self.version, values=values, time_s=time.time(),
+                    groups=list(groups or []))
+        # a step redone after a resume reports again, under this run's id (the log's
+        # metrics view keeps the newest report of a step)
+        await self.bus.publish(self.subject("metrics"), m, msg_id=f"{self.job_id}-m{s}-r{self.run_id}")
         await self.bus.publish(self.subject("events"), JobStateChanged(
             job_id=self.job_id, state=JobState.RUNNING, step=s, time_s=time.time(), source=SERVICE,
             attempt=self.attempt))
@@ -589,6 +669,7 @@ class JobRun:
             return data
 
         data = await self.in_engine(write)
+        await self.fence()
         await checkpoint.put(self.bus, self.job_id, data)
         await self.in_engine(checkpoint.prune, self.settings.home, self.job_id, s)
         self.traj_floor = floor

@@ -18,9 +18,11 @@ ADV_EPS = 1e-6
 def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """GRPO group-relative advantages A_i = (r_i - mean(r)) / (std(r) + 1e-6).
 
-    rewards: [n_groups, group_size] float -> advantages of the same shape. The std is
-    the sample (unbiased) std, as in TRL's GRPOTrainer and verl. A group whose rewards
-    are all equal gets zero advantage (it carries no learning signal).
+    rewards: [n_groups, group_size] float -> advantages of the same shape, float32. The
+    std is the sample (unbiased) std, as in TRL's GRPOTrainer and verl. A group whose
+    std is below ADV_EPS gets exactly 0 for every episode: its rewards are equal (up to
+    rounding), so it carries no group-relative signal, and what the formula would give
+    there is rounding noise divided by the 1e-6 floor.
     Source: Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, eq. 3 and §4.1.1 (outcome
     supervision). Raises ValueError if rewards is not 2-D with group_size >= 2.
     """
@@ -29,7 +31,8 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     rewards = rewards.to(torch.float64)
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True, unbiased=True)
-    return ((rewards - mean) / (std + ADV_EPS)).to(torch.float32)
+    adv = (rewards - mean) / (std + ADV_EPS)
+    return torch.where(std < ADV_EPS, 0.0, adv).to(torch.float32)
 
 
 def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
@@ -56,6 +59,20 @@ def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: fl
     advantage; a turn after a reward was already collected is credited only with what
     follows it. With one turn per episode (or gamma = 1 and rewards only on the last
     turn) this is exactly group_advantages. An episode with no turn counts as return 0.
+
+    A group whose std_j R_{j,0} is below ADV_EPS gets 0 on every turn, as in
+    group_advantages. Unlike there, the numerator is not bounded by the std: two games
+    lost with the same return but with a penalty on different turns have per-turn
+    returns that differ while std_j R_{j,0} = 0, and the formula would divide that
+    difference by 1e-6 (advantages of 1e5). Such a group has no group-relative signal:
+    every episode did equally well.
+    Choice of statistics: kept from R_{j,0} only, not pooled over every R_{j,t} of the
+    group. Pooling would keep single-turn episodes from matching GRPO exactly, and
+    would turn a discount artefact (a longer lost game's early turns are discounted
+    less) into signal. The cost: with a small but non-zero std, a later turn's
+    |R_{i,t} - mean| / std can exceed the bound (group_size - 1) / sqrt(group_size)
+    that episode-level advantages keep; the PPO clip bounds the ratio, not the
+    advantage.
     Sources: GTPO, arXiv 2511.17052 (per-turn returns in group-relative advantages);
     OpenTinker's `compute_grpo_per_step_advantage` (statistics from R_0);
     GRPO arXiv 2402.03300 eq. 3.
@@ -68,7 +85,10 @@ def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: fl
         returns = [discounted_returns(ep, gamma) for ep in group]
         whole = torch.tensor([r[0] if r else 0.0 for r in returns], dtype=torch.float64)
         mean, std = float(whole.mean()), float(whole.std(unbiased=True))
-        out.append([[(r_t - mean) / (std + ADV_EPS) for r_t in r] for r in returns])
+        if std < ADV_EPS:
+            out.append([[0.0] * len(r) for r in returns])
+        else:
+            out.append([[(r_t - mean) / (std + ADV_EPS) for r_t in r] for r in returns])
     return out
 
 

@@ -15,8 +15,11 @@ Reads
 - `ot.ctl.assign.learner.<worker_id>` (OT_CTL work queue, durable "learner-<worker_id>"):
   JobAssigned, placed here by the scheduler. Acked when the job ends (completed,
   failed, cancelled, or requeued elsewhere); an assignment from a past placement
-  attempt is acked and skipped. A job placed again after this learner died resumes
-  from its checkpoint on the next learner.
+  attempt is acked and skipped; one whose job record does not place it on this
+  learner (no record, another learner) is dead-lettered. A job placed again after this
+  learner died resumes from its checkpoint on the next learner. A NATS failure that
+  outlasts the bus's retries (bus.py) ends this process with the job handed back
+  (not failed): the job resumes from its checkpoint after a restart or a requeue.
 - `ot.job.<id>.traj` (OT_TRAJ, durable "learner-<id>"): Trajectory.
 - `ot.job.<id>.events` (core subscription): a terminal state from the scheduler
   (cancel) stops the job.
@@ -41,11 +44,13 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 
 from opentinker.schemas import JobAssigned, JobState, JobStateChanged, SpecError, validate_job_spec
 from opentinker.schemas import subjects as S
-from opentinker.services.core.bus import Bus
+from opentinker.services.core.bus import TRANSIENT, Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import Heartbeat, default_worker_id, machine_capacity
 from opentinker.services.core.runner import run_service
@@ -53,8 +58,10 @@ from opentinker.services.learner.job import SERVICE, JobRun, JobStopped
 
 log = logging.getLogger("opentinker.learner")
 
-ASSIGN_ACK_WAIT_S = 60.0
-HEARTBEAT_S = 10.0
+# a learner that dies holding a job has its assignment redelivered this long after its
+# last "in progress" (every HEARTBEAT_S): a restarted learner resumes the job that soon
+ASSIGN_ACK_WAIT_S = 30.0
+HEARTBEAT_S = 5.0
 
 
 # -- the service loop -------------------------------------------------------------
@@ -67,8 +74,23 @@ async def heartbeat(m: Msg) -> None:
             await m.in_progress()
 
 
+async def placed_here(bus: Bus, assigned: JobAssigned, worker: str) -> str:
+    """'' if the job's record places this attempt of it on learner `worker`, else why
+    not. An assignment only the scheduler could have meant is one its record confirms."""
+    try:
+        got = await bus.job_record(assigned.job_id)
+    except msgspec.MsgspecError as e:
+        return f"unreadable JobRecord ({e})"
+    if got is None:
+        return f"no job {assigned.job_id!r} in the scheduler's records"
+    p = got[0].placement
+    if p is None or p.learner != worker or p.attempt != assigned.attempt:
+        return f"the job's record does not place attempt {assigned.attempt} on learner {worker}"
+    return ""
+
+
 async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
-                            executor: ThreadPoolExecutor, m: Msg, running: list[str]) -> None:
+                            executor: ThreadPoolExecutor, m: Msg, running: list[str], worker: str) -> None:
     """Run one JobAssigned to a terminal state (ack) or until shutdown (nak: another
     learner resumes it)."""
     assigned = await bus.decode_or_dead_letter(m, JobAssigned)
@@ -104,6 +126,11 @@ async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
         log.info("job %s: %s; not starting it", job_id, why)
         await m.ack()
         return
+    why = await placed_here(bus, assigned, worker)
+    if why:
+        await bus.dead_letter(m, f"JobAssigned refused: {why}")
+        await m.term()
+        return
     running.append(job_id)
     log.info("job %s assigned (attempt %d, delivery %d, rollout on %s)", job_id, assigned.attempt,
              job.incarnation, ", ".join(assigned.rollout_workers) or "-")
@@ -113,6 +140,13 @@ async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
         await job.run()
     except JobStopped as e:
         outcome = str(e)
+    except (*TRANSIENT, nats.errors.ConnectionClosedError) as e:
+        # the bus is gone past its retries: no state to report, nothing to fail the job
+        # for; hand it back and exit (restarted, or requeued by the scheduler)
+        log.error("job %s: NATS failed (%r); handing the job back", job_id, e)
+        with contextlib.suppress(nats.errors.Error):
+            await m.nak()
+        raise
     except Exception as e:
         log.exception("job %s failed", job_id)
         outcome = "failed"
@@ -147,7 +181,7 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     try:
         while not stop.is_set():
             for m in await bus.fetch(sub, 1, 1.0):
-                await handle_assignment(settings, bus, stop, executor, m, running)
+                await handle_assignment(settings, bus, stop, executor, m, running, worker)
     finally:
         await beat.stop()
         executor.shutdown(wait=True)

@@ -32,12 +32,13 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opentinker.schemas import JobSpec
+from opentinker.services.core.access import Tenant, confine_path
 from opentinker.services.learner.batching import Batch, micro_batches
 from opentinker.services.learner.job import JobRun
 
@@ -71,21 +72,20 @@ class Example:
 # -- from the trajectory log ------------------------------------------------------
 
 def examples_from_query(sql: str, log_dir: str | Path, vocab_size: int | None = None,
-                        max_tokens: int = MAX_TOKENS) -> list[Example]:
-    """The rows of `sql` (DuckDB over the log's views) as Examples, token-exact.
+                        max_tokens: int = MAX_TOKENS, *, job_ids: Iterable[str] | None) -> list[Example]:
+    """The rows of `sql` (DuckDB over the log's tables) as Examples, token-exact.
 
-    Raises ValueError naming `sft_query` when the SQL fails, returns no rows, lacks a
-    `token_ids` or `loss_mask` column, or a row is malformed (lengths differ, a mask
-    value other than 0/1, a token id outside [0, vocab_size)).
+    The SQL is untrusted (a tenant's): it sees only the rows of `job_ids` (None: every
+    job, for an admin or operator), can read no file, and must be one SELECT
+    (logdb.run_user_query).
+
+    Raises ValueError naming `sft_query` when the SQL is refused or fails, returns no
+    rows, lacks a `token_ids` or `loss_mask` column, or a row is malformed (lengths
+    differ, a mask value other than 0/1, a token id outside [0, vocab_size)).
     """
-    import duckdb
+    from opentinker.services.core.logdb import run_user_query
 
-    from opentinker.services.core.logdb import run_query
-
-    try:
-        cols, rows = run_query(sql, log_dir)
-    except duckdb.Error as e:
-        raise ValueError(f"sft_query: the query failed: {e}") from None
+    cols, rows = run_user_query(sql, log_dir, job_ids, field="sft_query")
     missing = [c for c in ("token_ids", "loss_mask") if c not in cols]
     if missing:
         raise ValueError(f"sft_query: the result has no {' or '.join(missing)} column "
@@ -276,18 +276,28 @@ def _keep_trainable(examples: list[Example], source: str) -> list[Example]:
 
 
 def load_examples(spec: JobSpec, home: str | Path, tokenizer: Any, log_dir: str | Path | None = None,
-                  vocab_size: int | None = None, max_tokens: int = MAX_TOKENS) -> list[Example]:
+                  vocab_size: int | None = None, max_tokens: int = MAX_TOKENS,
+                  tenant: Tenant | None = None) -> list[Example]:
     """The job's examples: `spec.sft_query` run over the log at `log_dir` (default
     `<home>/data`), or `spec.sft_data` read and tokenized with `tokenizer`.
 
+    `tenant` is the job's owner (access.tenant_of_job): a non-admin's query sees only
+    the rows of their own jobs, and their `sft_data` must lie in their area
+    (`<home>/users/<user>/`, where a relative path starts) or their own jobs'
+    checkpoints (access.confine_path). None: an operator's own call, no limits.
+
     Cut to `max_tokens` from the right; examples left with no token to train on are
     skipped. Raises ValueError naming sft_query or sft_data (and the file and row) for
-    bad SQL, an empty result, or malformed data.
+    refused or bad SQL, an empty result, or malformed data; SpecError (a ValueError)
+    naming sft_data for a file the tenant may not name.
     """
+    tenant = tenant or Tenant(user="", admin=True)
     if spec.sft_query:
-        return examples_from_query(spec.sft_query, log_dir or Path(home) / "data", vocab_size, max_tokens)
+        return examples_from_query(spec.sft_query, log_dir or Path(home) / "data", vocab_size, max_tokens,
+                                   job_ids=tenant.log_jobs)
     if spec.sft_data:
-        examples = examples_from_file(spec.sft_data, tokenizer, max_tokens)
+        path = confine_path(spec.sft_data, field="sft_data", **tenant.rules(home))
+        examples = examples_from_file(path, tokenizer, max_tokens)
         if vocab_size is not None and any(max(e.token_ids) >= vocab_size for e in examples):
             raise ValueError(f"sft_data: the tokenizer makes ids >= the model's vocabulary ({vocab_size})")
         return examples
@@ -340,8 +350,10 @@ class SFTRun(JobRun):
         """Train `steps` SFT steps. Raises JobStopped (cancel or shutdown) or the error
         that failed the job (ValueError naming sft_data/sft_query for bad data)."""
         await self.start()
+        # self.tenant: the job's owner, read by JobRun.start
         self.examples = await self.in_engine(load_examples, self.spec, self.settings.home, self.engine.tokenizer,
-                                             self.settings.log_dir, self.engine.vocab_size)
+                                             self.settings.log_dir, self.engine.vocab_size, MAX_TOKENS,
+                                             self.tenant)
         log.info("job %s: %d SFT examples, %d loss tokens", self.job_id, len(self.examples),
                  sum(sum(e.loss_mask[1:]) for e in self.examples))
         self.check_live()

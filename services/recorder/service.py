@@ -8,14 +8,16 @@ recorder died is written again, and the query views keep one copy.
 
 Reads (durable pull consumers, from the start of each stream):
 - `ot.job.*.traj`    (OT_TRAJ, durable "recorder-traj"): Trajectory
-- `ot.job.*.metrics` (OT_METRICS, durable "recorder-metrics"): Metrics
+- `ot.job.*.metrics` (OT_METRICS, durables "recorder-metrics" and "recorder-steps"):
+  Metrics, as metric values and as the groups each train step was trained on
 - `ot.job.*.events`  (OT_EVENTS, durable "recorder-events"): JobStateChanged
 Writes:
-- `<log_dir>/{trajectories,metrics,events}/job_id=<id>/part-<unix_ms>-<uuid8>.parquet`,
+- `<log_dir>/{trajectories,metrics,events,steps}/job_id=<id>/part-<unix_ms>-<uuid8>.parquet`,
   flushed every `recorder_flush_rows` rows or `recorder_flush_s` seconds
   (log_dir = settings.data_dir, default <home>/data)
-- `ot.dlq.recorder`: messages that do not decode, or whose job id is invalid or does
-  not match their subject
+- `ot.dlq.recorder`: messages that do not decode, whose job id is invalid or does not
+  match their subject, or whose values the Parquet columns cannot hold (a step >= 2**63,
+  a token id >= 2**31): each is terminated, so one bad message never stops the others
 
 Run: `opentinker serve recorder [KEY=VALUE ...]` or `python -m opentinker.services.recorder`.
 """
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import pyarrow as pa
 from nats.aio.msg import Msg
 from nats.js import api
 
@@ -65,20 +69,23 @@ TABLES = (
     Table("trajectories", "OT_TRAJ", "recorder-traj", Trajectory, store.trajectory_rows),
     Table("metrics", "OT_METRICS", "recorder-metrics", Metrics, store.metrics_rows),
     Table("events", "OT_EVENTS", "recorder-events", JobStateChanged, store.event_rows),
+    # the same metrics messages, a second consumer: which groups each step trained on
+    Table("steps", "OT_METRICS", "recorder-steps", Metrics, store.step_rows),
 )
 
 
 @dataclass
 class Buffer:
-    """Rows waiting for the next Parquet part, and the messages to ack after it."""
+    """Rows waiting for the next Parquet part (per job: each message's rows, already
+    checked against the table's schema), and the messages to ack after it."""
 
-    rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    parts: dict[str, list[tuple[Msg, pa.Table]]] = field(default_factory=lambda: defaultdict(list))
     msgs: list[Msg] = field(default_factory=list)
     seqs: set[int] = field(default_factory=set)
     n_rows: int = 0
     since: float = 0.0
 
-    def add(self, m: Msg, seq: int, job_id: str, rows: list[dict[str, Any]]) -> None:
+    def add(self, m: Msg, seq: int, job_id: str, rows: pa.Table) -> None:
         if not self.msgs:
             self.since = time.monotonic()
         self.msgs.append(m)
@@ -86,8 +93,9 @@ class Buffer:
         # with it, not written twice.
         if seq not in self.seqs:
             self.seqs.add(seq)
-            self.rows[job_id].extend(rows)
-            self.n_rows += len(rows)
+            if rows.num_rows:
+                self.parts[job_id].append((m, rows))
+            self.n_rows += rows.num_rows
 
 
 async def durable_pull(bus: Bus, t: Table, ack_wait_s: float, max_ack_pending: int):
@@ -104,6 +112,9 @@ async def durable_pull(bus: Bus, t: Table, ack_wait_s: float, max_ack_pending: i
 
 async def record(bus: Bus, settings: Settings, t: Table, stop: asyncio.Event) -> None:
     """Consume one table's stream into Parquet parts until `stop` is set, then flush."""
+    # pyarrow's first conversion imports pandas (seconds): done now, not while a fetched
+    # batch's ack wait runs (which would see its messages redelivered)
+    await asyncio.to_thread(store.to_table, t.name, [])
     sub = await durable_pull(bus, t, settings.recorder_ack_wait_s,
                              max(10_000, 2 * settings.recorder_flush_rows))
     log_dir = settings.log_dir
@@ -114,37 +125,61 @@ async def record(bus: Bus, settings: Settings, t: Table, stop: asyncio.Event) ->
             await take(bus, t, m, buf)
         if buf.msgs and (buf.n_rows >= settings.recorder_flush_rows
                          or time.monotonic() - buf.since >= settings.recorder_flush_s):
-            buf = await flush(t, log_dir, buf)
+            buf = await flush(bus, t, log_dir, buf)
     if buf.msgs:
-        await flush(t, log_dir, buf)
+        await flush(bus, t, log_dir, buf)
 
 
 async def take(bus: Bus, t: Table, m: Msg, buf: Buffer) -> None:
-    """Decode `m` into `buf`, or dead-letter it (and never see it again)."""
+    """Decode `m` and convert its rows to the table's Parquet columns into `buf`, or
+    dead-letter it naming the field (and never see it again)."""
     item = await bus.decode_or_dead_letter(m, t.kind)
     if item is None:
         return
+    seq = m.metadata.sequence.stream
     try:
         S.check_job_id(item.job_id)  # it becomes a folder name
         if item.job_id != S.job_id_of(m.subject):
             raise ValueError(f"job_id {item.job_id!r} does not match subject {m.subject!r}")
-    except ValueError as e:
+        # checked here, not at flush: a value the columns cannot hold (a step >= 2**63)
+        # would otherwise fail the whole part, and the recorder with it, at every restart
+        rows = store.to_table(t.name, t.rows(item, seq))
+    except (*store.MISFIT, msgspec.EncodeError) as e:
         await bus.dead_letter(m, f"{t.kind.__name__}: {e}")
         await m.term()
         return
-    buf.add(m, m.metadata.sequence.stream, item.job_id, t.rows(item, m.metadata.sequence.stream))
+    buf.add(m, seq, item.job_id, rows)
 
 
-async def flush(t: Table, log_dir: Path, buf: Buffer) -> Buffer:
+async def flush(bus: Bus, t: Table, log_dir: Path, buf: Buffer) -> Buffer:
     """Write the buffer's rows (one part per job), then ack its messages. Returns a
-    fresh buffer. A write error propagates: the service exits and, unacked, every
-    buffered message is redelivered to its successor."""
-    for job_id, rows in buf.rows.items():
-        if rows:
-            path = await asyncio.to_thread(store.write_part, log_dir, t.name, job_id, rows)
-            log.debug("wrote %d %s rows to %s", len(rows), t.name, path)
+    fresh buffer.
+
+    A job's part that cannot be written for its data (store.MISFIT) is written again
+    message by message, and a message that still fails is dead-lettered and terminated,
+    so one bad message never holds up the others. Any other write error (an OSError:
+    the disk) propagates: the service exits and, unacked, every buffered message is
+    redelivered to its successor."""
+    dead: set[int] = set()
+    for job_id, parts in buf.parts.items():
+        whole = pa.concat_tables([rows for _, rows in parts])
+        try:
+            path = await asyncio.to_thread(store.write_part, log_dir, t.name, job_id, whole)
+            log.debug("wrote %d %s rows to %s", whole.num_rows, t.name, path)
+            continue
+        except store.MISFIT as e:
+            log.warning("%s part of job %s failed (%s); writing it message by message", t.name, job_id, e)
+        for m, rows in parts:
+            try:
+                await asyncio.to_thread(store.write_part, log_dir, t.name, job_id, rows)
+            except store.MISFIT as e:
+                await bus.dead_letter(m, f"{t.kind.__name__}: cannot be written to the {t.name} table: {e}")
+                dead.add(m.metadata.sequence.stream)
     for m in buf.msgs:
-        await m.ack()
+        if m.metadata.sequence.stream in dead:
+            await m.term()
+        else:
+            await m.ack()
     return Buffer()
 
 

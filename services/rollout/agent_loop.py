@@ -304,7 +304,7 @@ class AgentLoop:
         t0 = time.perf_counter()
         try:
             with tracing.within(e.span), tracing.span("rollout.env_reset", kind=tracing.SpanKind.CLIENT):
-                reply = await self.env.reset(EnvResetRequest(env=r.env, episode_id=e.episode_id,
+                reply = await self.env.reset(EnvResetRequest(env=r.env, episode_id=e.episode_id, job_id=r.job_id,
                                                              env_args=r.env_args, state=state))
         except EnvError as err:
             e.fail(f"env reset: {err}")
@@ -346,7 +346,8 @@ class AgentLoop:
         try:
             with tracing.within(e.span), tracing.span("rollout.env_step", kind=tracing.SpanKind.CLIENT,
                                                       attrs={"ot.turn": len(e.turns)}):
-                reply = await self.env.step(e.host_id, EnvStepRequest(episode_id=e.episode_id, action=action))
+                reply = await self.env.step(e.host_id, EnvStepRequest(episode_id=e.episode_id, action=action,
+                                                                      job_id=e.req.job_id))
         except EnvError as err:
             e.error = f"env step: {err}"
         env_ms = (time.perf_counter() - t0) * 1e3
@@ -385,7 +386,7 @@ class AgentLoop:
             return
         try:
             with tracing.within(e.span):
-                await self.env.close(e.host_id, EnvCloseRequest(episode_id=e.episode_id))
+                await self.env.close(e.host_id, EnvCloseRequest(episode_id=e.episode_id, job_id=e.req.job_id))
         except EnvError:
             pass  # best effort: a close only frees the host early; the trajectory is complete
 

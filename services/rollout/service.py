@@ -17,13 +17,19 @@ Reads:
                      them share one engine call per turn. A request is acked only after all its
                      trajectories are published.
   ot.job.*.weights   stream OT_WEIGHTS, an ordered consumer from each job's last
-                     event: a job's policy is its latest WeightsPublished (bytes from
-                     the object store `ot_weights` or a file, sha256-checked). A request
-                     waits for the version it names if this worker has not seen it.
-  ot_jobs (KV)       requests of jobs in a terminal state are acked and skipped.
+                     event: a job's policy is the latest WeightsPublished of the learner
+                     run a request names (`policy_run`; bytes from the object store
+                     `ot_weights` or a file, sha256-checked). A request waits for the
+                     version it names if this worker has not seen it.
+  ot_jobs (KV)       a request is served only for a job the record places on this
+                     worker, at the record's placement attempt, with the record's model
+                     and engine; one of a finished job or a past attempt is acked and
+                     skipped; any other (a job not placed here, another model) is
+                     dead-lettered with the reason.
 Writes:
   ot.job.<id>.traj   one Trajectory per episode, Nats-Msg-Id = `<job_id>:<episode_id>`
-                     (episode id `<request_id>-e<i>`), so a redelivered request dedups.
+                     (episode id `<request_id>-e<i>`), so a redelivered request dedups;
+                     stamped with the learner run whose weights sampled it.
   ot.dlq.rollout     undecodable or invalid requests, and requests whose weights or
                      model cannot be loaded, with the reason.
 Calls (core request/reply): ot.env.<env>.init / .reset, ot.env.host.<host>.step / .close.
@@ -49,6 +55,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import tenacity
 import torch
 from nats.aio.msg import Msg
 from nats.js import api
@@ -70,7 +77,7 @@ from opentinker.schemas import (
 )
 from opentinker.schemas import subjects as S
 from opentinker.services.core import tracing
-from opentinker.services.core.bus import Bus
+from opentinker.services.core.bus import TRANSIENT, Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import Heartbeat, default_worker_id, machine_capacity
 from opentinker.services.core.models import resolve_model
@@ -95,13 +102,18 @@ ROLLOUT_STREAM = "OT_ROLLOUT"
 WEIGHTS_STREAM = "OT_WEIGHTS"
 FETCH_BATCH = 16
 FETCH_LINGER_S = 0.05        # a learner publishes a step's requests back to back
-ACK_WAIT_S = 300.0
-IN_PROGRESS_EVERY_S = 30.0   # well inside ack_wait
+# a worker that dies with requests in hand has them redelivered this long after its
+# last "in progress": short, so a restarted (or another) worker takes them soon
+ACK_WAIT_S = 60.0
+IN_PROGRESS_EVERY_S = 15.0   # well inside ack_wait
 ENV_SETUP_TIMEOUT_S = 30.0
+ENV_SETUP_RETRY_S = 60.0     # how long init/reset wait for an envhost of the env to appear
 ENV_STEP_TIMEOUT_S = 120.0   # a user's step may run tools or a verifier
 ENV_CLOSE_TIMEOUT_S = 2.0
 WEIGHTS_WAIT_S = 60.0        # for a version a request names but this worker has not seen
 JOBS_KEPT = 4                # per-job policy tensors kept for fast job switches
+RUNS_KEPT = 4                # learner runs per job whose newest weight event is remembered
+JOBS_TRACKED = 1024          # jobs whose weight events are remembered (a lookup refills one)
 MAX_MODEL_LEN = 2048
 _HOST_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -118,16 +130,30 @@ class WeightsUnavailable(Exception):
 
 
 class NatsEnvClient:
-    """agent_loop.EnvClient over NATS request/reply; transport failures -> EnvError."""
+    """agent_loop.EnvClient over NATS request/reply; transport failures -> EnvError.
 
-    def __init__(self, bus: Bus):
+    Init and reset go to any envhost of the env, so "no env host serves it" there is
+    retried with backoff for up to ENV_SETUP_RETRY_S (an envhost restarting, or
+    starting after the job): an envhost restart costs time, not episodes. A step goes to
+    the host holding the episode's game; if that host is gone, so is the game, and the
+    episode ends with the error."""
+
+    def __init__(self, bus: Bus, setup_retry_s: float = 0.0):
         self.bus = bus
+        self.setup_retry_s = setup_retry_s
 
-    async def _request(self, subject: str, msg: msgspec.Struct, kind: type, timeout_s: float):
+    async def _request(self, subject: str, msg: msgspec.Struct, kind: type, timeout_s: float,
+                       retry_s: float = 0.0):
         try:
-            return await self.bus.request(subject, msg, kind, timeout_s=timeout_s)
+            async for attempt in tenacity.AsyncRetrying(
+                    retry=tenacity.retry_if_exception_type(nats.errors.NoRespondersError),
+                    wait=tenacity.wait_exponential_jitter(multiplier=0.5, max=5.0, jitter=0.5),
+                    stop=tenacity.stop_after_delay(retry_s), reraise=True):
+                with attempt:
+                    return await self.bus.request(subject, msg, kind, timeout_s=timeout_s)
         except nats.errors.NoRespondersError:
-            raise EnvError(f"no env host serves {subject}") from None
+            raise EnvError(f"no env host serves {subject}"
+                           + (f" (waited {retry_s:g} s for one)" if retry_s else "")) from None
         except nats.errors.TimeoutError:
             raise EnvError(f"no reply on {subject} within {timeout_s:g} s") from None
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -140,10 +166,12 @@ class NatsEnvClient:
         return host_id
 
     async def init(self, req: EnvInitRequest) -> EnvInitReply:
-        return await self._request(S.env_init(req.env), req, EnvInitReply, ENV_SETUP_TIMEOUT_S)
+        return await self._request(S.env_init(req.env), req, EnvInitReply, ENV_SETUP_TIMEOUT_S,
+                                   self.setup_retry_s)
 
     async def reset(self, req: EnvResetRequest) -> EnvResetReply:
-        return await self._request(S.env_reset(req.env), req, EnvResetReply, ENV_SETUP_TIMEOUT_S)
+        return await self._request(S.env_reset(req.env), req, EnvResetReply, ENV_SETUP_TIMEOUT_S,
+                                   self.setup_retry_s)
 
     async def step(self, host_id: str, req: EnvStepRequest) -> EnvStepReply:
         return await self._request(S.env_step(self._host(host_id)), req, EnvStepReply, ENV_STEP_TIMEOUT_S)
@@ -168,9 +196,10 @@ def check_request(req: RolloutRequest, subject: str) -> str:
             return f"`{field}`: {e}"
     if S.job_id_of(subject) != req.job_id:
         return f"`job_id`: {req.job_id!r} arrived on {subject}"
+    if not req.request_id.startswith(f"{req.job_id}-") or len(req.request_id) > 200:
+        return f"`request_id`: {req.request_id[:80]!r} must start with the job id and a hyphen (<= 200 chars)"
     s = req.sampling
     checks = [
-        (bool(req.request_id), "request_id", "must not be empty"),
         (1 <= req.group_size <= 1024, "group_size", "must be in [1, 1024]"),
         (req.policy_version >= 0, "policy_version", "must be >= 0"),
         (req.engine in ("auto", "vllm", "hf"), "engine", "must be auto, vllm or hf"),
@@ -212,6 +241,7 @@ class EngineSlot:
         # the engine (LoRA jobs, inference endpoints) never interleave their weights
         self.lock = asyncio.Lock()
         self.adapters: dict[str, str] = {}  # job -> its adapter folder (vLLM multi-LoRA)
+        self.last_used = time.monotonic()
 
 
 def pick_engine(requested: str, configured: str, model_dir: str) -> str:
@@ -235,9 +265,11 @@ class RolloutWorker:
         self.device = settings.device if settings.device != "auto" else (
             "cuda" if torch.cuda.is_available() else "cpu")
         self.seed = zlib.crc32(self.worker.encode())
-        self.env = NatsEnvClient(bus)
+        self.env = NatsEnvClient(bus, setup_retry_s=ENV_SETUP_RETRY_S)
         self.engines: dict[tuple[str, str], EngineSlot] = {}
         self.newest: dict[str, tuple[int, WeightsPublished]] = {}  # job -> (stream seq, event)
+        # job -> learner run -> (stream seq, that run's latest event)
+        self.runs: dict[str, dict[str, tuple[int, WeightsPublished]]] = {}
         self._looked_up: set[str] = set()
         self._weights_seen = asyncio.Condition()
         self._sub = None
@@ -259,22 +291,35 @@ class RolloutWorker:
     # -- weights events --
 
     async def _on_weights(self, m: Msg) -> None:
+        # an ordered consumer: nothing to ack; a bad event is dead-lettered and ignored
         try:
             ev = decode(m.data, WeightsPublished)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.warning("ignoring an unreadable weight event on %s: %s", m.subject, e)
+            await self.bus.dead_letter(m, f"cannot decode WeightsPublished: {e}")
             return
         if ev.job_id != S.job_id_of(m.subject):
-            log.warning("ignoring a weight event for job %r on %s", ev.job_id, m.subject)
+            await self.bus.dead_letter(m, f"WeightsPublished.job_id: {ev.job_id!r} on {m.subject}")
             return
         await self._note(ev, m.metadata.sequence.stream)
 
     async def _note(self, ev: WeightsPublished, seq: int) -> None:
-        # the latest announcement wins, not the highest version: a learner resumed
-        # from an older checkpoint re-announces lower versions, and those are its policy
+        # within a run the latest announcement wins, not the highest version; across
+        # runs a request names its run: a resumed learner re-announces its checkpoint's
+        # lower version under a new run, and a lost run's newer versions are not its policy
         old = self.newest.get(ev.job_id)
         if old is None or seq > old[0]:
             self.newest[ev.job_id] = (seq, ev)
+        while len(self.newest) > JOBS_TRACKED:  # the jobs whose events came longest ago go
+            gone = min(self.newest, key=lambda j: self.newest[j][0])
+            del self.newest[gone]
+            self.runs.pop(gone, None)
+            self._looked_up.discard(gone)
+        runs = self.runs.setdefault(ev.job_id, {})
+        mine = runs.get(ev.run)
+        if mine is None or seq > mine[0]:
+            runs[ev.run] = (seq, ev)
+        while len(runs) > RUNS_KEPT:
+            del runs[min(runs, key=lambda r: runs[r][0])]
         async with self._weights_seen:
             self._weights_seen.notify_all()
 
@@ -290,17 +335,33 @@ class RolloutWorker:
         if ev.job_id == job_id:
             await self._note(ev, raw.seq)
 
-    async def newest_event(self, job_id: str, at_least: int) -> WeightsPublished | None:
-        """The job's latest weight event, waiting up to WEIGHTS_WAIT_S for one of
-        version `at_least` or newer. None = no event yet (version 0, the base model).
-        Raises WeightsUnavailable if no such version arrives."""
+    async def _all_events(self, job_id: str) -> None:
+        """Note every weight event the stream holds for the job (once per job: a
+        restarted worker learns each run's newest event, not just the job's last)."""
+        for raw in await self.bus.read_raw(S.job(job_id, "weights")):
+            try:
+                ev = decode(raw.data, WeightsPublished)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if ev.job_id == job_id:
+                await self._note(ev, raw.seq)
+
+    def _newest_of(self, job_id: str, run: str) -> WeightsPublished | None:
+        got = self.runs.get(job_id, {}).get(run) if run else self.newest.get(job_id)
+        return got[1] if got else None
+
+    async def newest_event(self, job_id: str, at_least: int, run: str = "") -> WeightsPublished | None:
+        """The latest weight event of learner run `run` of the job ("": of any run),
+        waiting up to WEIGHTS_WAIT_S for one of version `at_least` or newer. None = no
+        event yet (version 0, the base model). Raises WeightsUnavailable if no such
+        version arrives."""
         if job_id not in self._looked_up:
             self._looked_up.add(job_id)
-            await self._last_event(job_id)  # the subscription may not have caught up yet
+            await self._all_events(job_id)  # the subscription may not have caught up yet
 
         def have() -> int:
-            got = self.newest.get(job_id)
-            return got[1].policy_version if got else 0
+            got = self._newest_of(job_id, run)
+            return got.policy_version if got else 0
 
         deadline = time.monotonic() + WEIGHTS_WAIT_S
         while have() < at_least:
@@ -312,8 +373,7 @@ class RolloutWorker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._weights_seen.wait(), min(left, 2.0))
             await self._last_event(job_id)
-        got = self.newest.get(job_id)
-        return got[1] if got else None
+        return self._newest_of(job_id, run)
 
     async def _fetch(self, uri: str) -> bytes:
         scheme, bucket, name = parse_uri(uri)
@@ -344,10 +404,11 @@ class RolloutWorker:
                                    f"the model's is {tuple(slot.base[name].shape)}")
         return tensors
 
-    async def ensure_policy(self, slot: EngineSlot, job_id: str, at_least: int) -> int:
-        """Make `slot`'s engine hold the job's latest policy (version >= `at_least`),
-        loading it unless it already does; returns that policy version."""
-        ev = await self.newest_event(job_id, at_least)
+    async def ensure_policy(self, slot: EngineSlot, job_id: str, at_least: int, run: str = "") -> int:
+        """Make `slot`'s engine hold the latest policy of learner run `run` of the job
+        (version >= `at_least`; "": the job's newest of any run), loading it unless it
+        already does; returns that policy version."""
+        ev = await self.newest_event(job_id, at_least, run)
         # weights are identified by their bytes: a resumed learner re-makes a version
         ident = (job_id, ev.policy_version, ev.sha256) if ev else BASE
         if slot.holding == ident:
@@ -432,7 +493,9 @@ class RolloutWorker:
         chosen_for_us = engine == "auto" and self.settings.engine == "auto"
         key = (model_dir, kind)
         if key in self.engines:
+            self.engines[key].last_used = time.monotonic()
             return self.engines[key]
+        self._evict(self.settings.rollout_slots - 1)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{kind}")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -456,6 +519,24 @@ class RolloutWorker:
                  time.perf_counter() - t0, self.device)
         return self.engines[key]
 
+    def _evict(self, keep: int) -> None:
+        """Drop least recently used idle engines until at most `keep` remain: a worker
+        holds at most `rollout_slots` jobs, so it never needs more engines than that,
+        and a model no placed job uses must not hold memory forever."""
+        idle = sorted((k for k, slot in self.engines.items() if not slot.lock.locked()),
+                      key=lambda k: self.engines[k].last_used)
+        while len(self.engines) > max(keep, 0) and idle:
+            key = idle.pop(0)
+            slot = self.engines.pop(key)
+            slot.executor.shutdown(wait=False, cancel_futures=True)
+            log.info("engine for %s (%s) unloaded: unused longest, and the worker is at its %d engines",
+                     key[0], key[1], self.settings.rollout_slots)
+        if len(self.engines) > keep:
+            log.warning("%d engines busy; loading one more than rollout_slots", len(self.engines))
+        import gc
+
+        gc.collect()
+
     def multi_lora(self) -> bool:
         """Whether vLLM engines apply adapters per request (settings.vllm_multi_lora)."""
         mode = self.settings.vllm_multi_lora
@@ -478,13 +559,30 @@ class RolloutWorker:
 
     # -- requests --
 
-    async def _terminal(self, job_id: str) -> bool:
+    async def admit(self, req: RolloutRequest) -> tuple[str, str]:
+        """Whether to serve `req`, by the job's record: ("serve", ""), ("skip", why) for
+        a finished job or a past placement attempt (acked: nothing is wrong), or
+        ("refuse", why) for a request this worker must never serve (dead-lettered): a
+        job with no record or not placed here, or another model or engine than the
+        job's. A worker thus runs only what the scheduler placed on it."""
         try:
-            got = await self.bus.job_record(job_id)
+            got = await self.bus.job_record(req.job_id)
         except msgspec.MsgspecError as e:
-            log.warning("job %s: unreadable JobRecord (%s); serving its requests", job_id, e)
-            return False
-        return got is not None and got[0].state.terminal
+            return "refuse", f"job {req.job_id}: unreadable JobRecord ({e})"
+        if got is None:
+            return "refuse", f"`job_id`: no job {req.job_id!r} (only jobs placed on this worker are served)"
+        rec = got[0]
+        if rec.state.terminal:
+            return "skip", f"job {req.job_id} is {rec.state.value}"
+        if req.attempt != rec.attempt:
+            return "skip", f"attempt {req.attempt} is past (the job is at attempt {rec.attempt})"
+        if rec.placement is None or self.worker not in rec.placement.rollout:
+            return "refuse", f"`job_id`: job {req.job_id} is not placed on worker {self.worker}"
+        if req.model != rec.spec.model:
+            return "refuse", f"`model`: {req.model!r} is not job {req.job_id}'s model {rec.spec.model!r}"
+        if req.engine != rec.spec.engine:
+            return "refuse", f"`engine`: {req.engine!r} is not job {req.job_id}'s engine {rec.spec.engine!r}"
+        return "serve", ""
 
     async def handle(self, msgs: list[Msg]) -> None:
         """Serve one fetched batch: check each request, then run the groups of each
@@ -500,8 +598,12 @@ class RolloutWorker:
             if reason:
                 await self._reject(m, f"invalid RolloutRequest: {reason}")
                 continue
-            if await self._terminal(req.job_id):
-                log.info("job %s is over; skipping request %s", req.job_id, req.request_id)
+            verdict, why = await self.admit(req)
+            if verdict == "refuse":
+                await self._reject(m, f"RolloutRequest refused: {why}")
+                continue
+            if verdict == "skip":
+                log.info("skipping request %s: %s", req.request_id, why)
                 await m.ack()
                 continue
             if (req.job_id, req.request_id) in seen:
@@ -512,7 +614,7 @@ class RolloutWorker:
                 continue
             seen.add((req.job_id, req.request_id))
             pending[id(m)] = m
-            parts.setdefault((req.model, req.engine, req.job_id), []).append((req, m))
+            parts.setdefault((req.model, req.engine, req.job_id, req.policy_run), []).append((req, m))
         if not parts:
             return
         beat = asyncio.create_task(self._heartbeat(pending))
@@ -551,13 +653,17 @@ class RolloutWorker:
             return
         at_least = max(r.policy_version for r in reqs)
 
+        run = reqs[0].policy_run
+
         async def policy_version() -> int:
-            return await self.ensure_policy(slot, job_id, at_least)
+            return await self.ensure_policy(slot, job_id, at_least, run)
 
         async def publish(req: RolloutRequest, trajs: list[Trajectory]) -> None:
             m = msg_of[req.request_id]
             tp = (m.headers or {}).get(S.H_TRACEPARENT)
             for t in trajs:
+                if t.policy_version > 0:
+                    t = msgspec.structs.replace(t, policy_run=run)
                 # the stream dedups msg ids across all jobs; request ids are only
                 # known to be unique within one. The trajectory carries its episode's
                 # trace context on to the learner.
@@ -630,7 +736,12 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
             else:
-                work.result()
+                try:
+                    work.result()
+                except TRANSIENT as e:
+                    # the bus outlasted its retries mid-batch: what was not published is
+                    # naked (or redelivered after ack_wait); keep serving once it is back
+                    log.warning("serving a batch failed on NATS (%r); its requests go back to the queue", e)
     finally:
         stopped.cancel()
         await beat.stop()

@@ -24,7 +24,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from opentinker.schemas import JobState, Metrics, SubmitJob
+from opentinker.schemas import JobSpec, JobState, Metrics, SubmitJob
 from opentinker.schemas.control import JobStateChanged
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError, spec_from_dict
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from opentinker.services.scheduler.service import Scheduler
 
 STATIC = FsPath(__file__).parent / "static"
+SPEC_FIELDS = {f.name for f in msgspec.structs.fields(JobSpec)}
 JobId = Annotated[str, Path(pattern=JOB_ID_RE.pattern, description="a job id ([a-z0-9-])")]
 UserName = Annotated[str, Path(pattern=USER_RE.pattern)]
 KeyId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")]
@@ -121,12 +122,14 @@ def make_app(sched: "Scheduler") -> FastAPI:
         OpenAI-compatible endpoint its rollout worker serves (`endpoint` in its record
         once placed)."""
         try:
-            spec = spec_from_dict(body.spec)
+            spec = spec_from_dict(body.spec, body.kind)
         except SpecError as e:
             raise problem(422, str(e), f"spec.{e.field}") from None
         reply = await sched.submit(SubmitJob(spec=spec, job_id=body.job_id, kind=body.kind,
                                              policy_of=body.policy_of), user)
         if not reply.ok:
+            if reply.field.split(".")[0] in SPEC_FIELDS:  # a spec the scheduler refused (a path, say)
+                raise problem(422, reply.error, f"spec.{reply.field}")
             raise problem(404 if reply.error.startswith("no job") else 409, reply.error, reply.field)
         # an inference job's endpoint token is shown here only (the record keeps its hash)
         return {"job_id": reply.job_id, **({"endpoint_token": reply.endpoint_token} if reply.endpoint_token else {})}
@@ -170,16 +173,21 @@ def make_app(sched: "Scheduler") -> FastAPI:
 
     @app.get("/v1/workers", tags=["workers"])
     async def workers(user: Current) -> list[dict[str, Any]]:
-        """The pool's live workers, each with the jobs placed on it."""
+        """The pool's live workers, each with its load and the jobs placed on it: your
+        own jobs only (every job for an admin); other tenants' job ids are not shown."""
+        from opentinker.services.scheduler.service import visible
+
         live = await live_workers(sched.bus, sched.pool)
         active = [r for r, _ in await sched.records() if not r.state.terminal and r.placement is not None]
         load = current_load(active)
         placed: dict[str, list[str]] = {}
         for r in active:
             for w in holders(r):
-                placed.setdefault(w, []).append(r.job_id)
+                if visible(r, user):
+                    placed.setdefault(w, []).append(r.job_id)
         now = time.time()
-        return [{**as_json(info), "placed_jobs": placed.get(w, []),
+        return [{**as_json(info), "jobs": info.jobs if user.role == "admin" else [j for j in info.jobs if j in placed.get(w, [])],
+                 "placed_jobs": placed.get(w, []),
                  "load": (load.learners[w] if info.kind == "learner" else load.rollout[w]) / max(1, info.capacity.slots),
                  "heartbeat_age_s": round(now - info.time_s, 2)}
                 for w, info in sorted(live.items())]
@@ -221,7 +229,7 @@ def make_app(sched: "Scheduler") -> FastAPI:
         rec = await sched.users.key(key_id)
         if rec is None or (user.role != "admin" and rec.user != user.name):
             raise problem(404, f"no key {key_id}", "key_id")
-        rec = await sched.users.revoke(key_id)
+        rec = await sched.revoke_key(key_id)  # its live NATS connections are closed too
         return {"key_id": rec.key_id, "revoked_s": rec.revoked_s}
 
     @app.get("/", include_in_schema=False)

@@ -4,7 +4,9 @@ job records and the live workers; the scheduler service applies what they decide
 Policy: first in, first out by submit time, with per-user quotas. A job over its user's
 quota waits without holding up other users' jobs; the first job that does not fit the
 free capacity stops placement for this round, so a large job is never starved by
-smaller ones behind it. A training job takes one free learner and `rollout_workers`
+smaller ones behind it. A job the whole pool could not hold even when idle (more
+rollout workers than it has, or no learner at all) waits without stopping the round:
+otherwise one tenant's impossible job would stall every job behind it. A training job takes one free learner and `rollout_workers`
 rollout workers with a free slot; an inference job takes rollout workers only. Among
 rollout workers, those already serving the job's base model come first (LoRA jobs of
 one base model share a worker and its engine, each with its own adapter), then the
@@ -95,6 +97,7 @@ def plan(queued: list[JobRecord], active: list[JobRecord], live: dict[str, Worke
     """
     load = current_load(active)
     busy_with = {j for info in live.values() for j in info.jobs}
+    learners = sum(1 for i in live.values() if i.kind == "learner")
     out = []
     for rec in sorted(queued, key=lambda r: (r.created_s, r.job_id)):
         q = quota_of(rec.user)
@@ -103,6 +106,9 @@ def plan(queued: list[JobRecord], active: list[JobRecord], live: dict[str, Worke
             continue  # over quota: waits, and holds up no one else
         if rec.job_id in busy_with:
             continue  # the last attempt's worker is still letting go
+        could_ever = [w for w, i in live.items() if i.kind == "rollout" and _supports(i, rec.spec.engine)]
+        if len(could_ever) < rollout_needed(rec) or (rec.kind == "train" and not learners):
+            continue  # the pool cannot hold it even idle: it waits and blocks no one
         learner = ""
         if rec.kind == "train":
             free = sorted(w for w, i in live.items()

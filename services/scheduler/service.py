@@ -7,11 +7,17 @@ learners' reports all live in JetStream, so it can be killed and restarted at an
 
 Reads:
 - `ot.ctl.submit` (request/reply, queue group "scheduler"): SubmitJob -> SubmitReply.
-  A bad spec is refused with the field named.
-- `ot.ctl.cancel` (request/reply): CancelJob -> CancelReply.
+  A bad spec is refused with the field named. Only services publish here (API-key users
+  submit over the REST API, which calls the same `submit`); the key in the body names
+  the user, and the answer goes only to an `_INBOX.` reply subject, never to a stream,
+  KV or service subject a sender chose.
+- `ot.ctl.cancel` (request/reply): CancelJob -> CancelReply, answered the same way.
 - `ot.job.*.events` (OT_EVENTS, durable "scheduler-events"): state reported by
-  learners and inference clients; a report from a past attempt is ignored.
+  learners and inference clients; a report whose body names another job than its
+  subject is dead-lettered, one from a past attempt is ignored.
 - KV `ot_workers`: the live workers of its pool (placement.py decides).
+- `$SYS.REQ.USER.AUTH` (with `nats_callout_issuer_file`): the NATS auth callout
+  (natsauth.py): an API key becomes a user JWT in the TENANTS account.
 Writes:
 - KV `ot_jobs`: JobRecord per job id (compare-and-set on the revision it read).
 - `ot.ctl.assign.learner.<worker>` (OT_CTL work queue): JobAssigned for the placed learner.
@@ -45,7 +51,7 @@ from opentinker.schemas import (
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError, error_field, validate_job_spec
 from opentinker.schemas.pool import Placement
-from opentinker.services.core.bus import Bus
+from opentinker.services.core.bus import Bus, MessageRefused
 from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import live_workers
 from opentinker.services.core.runner import run_service
@@ -75,7 +81,7 @@ def refuse_submit(data: bytes) -> SubmitReply | SubmitJob:
     except msgspec.DecodeError as e:
         return SubmitReply(ok=False, error=f"undecodable SubmitJob: {e}", field="")
     try:
-        validate_job_spec(cmd.spec)
+        validate_job_spec(cmd.spec, cmd.kind)
     except SpecError as e:
         return SubmitReply(ok=False, error=str(e), field=e.field)
     if cmd.job_id and not JOB_ID_RE.match(cmd.job_id):
@@ -110,6 +116,29 @@ class Scheduler:
         self.pool = settings.pool
         self.lock = asyncio.Lock()   # one writer of records at a time in this process
         self.wake = asyncio.Event()
+        self.system = None           # natsauth.SystemClient, with a system-account nkey
+        self._reconnects = 0
+        self._trust_after = time.monotonic() + S.WORKER_TTL_S  # see settled()
+
+    async def connect_system(self, url: str, seed_file: str) -> None:
+        """Connect to the system account (natsauth.SystemClient): revoked keys' live
+        connections are then kicked at once."""
+        import nats
+
+        from opentinker.services.core.natsauth import SystemClient
+
+        nc = await nats.connect(url, nkeys_seed=seed_file, name="opentinker-scheduler-system",
+                                max_reconnect_attempts=-1, connect_timeout=5)
+        self.system = SystemClient(nc)
+
+    async def revoke_key(self, kid: str):
+        """Revoke API key `kid` (Users.revoke) and disconnect its live NATS connections.
+        Raises UserError (404) for an unknown key."""
+        rec = await self.users.revoke(kid)
+        if self.system is not None:
+            n = await self.system.kick(rec.user, kid)
+            log.info("key %s of %r revoked; %d live NATS connections closed", kid, rec.user, n)
+        return rec
 
     # -- records --
 
@@ -178,6 +207,9 @@ class Scheduler:
     # -- commands --
 
     async def on_submit(self, m: Msg) -> None:
+        if not self.bus.reply_allowed(m.reply):
+            await self.bus.dead_letter(m, f"SubmitJob: reply subject {m.reply!r} refused (an _INBOX. subject only)")
+            return
         parsed = refuse_submit(m.data)
         if isinstance(parsed, SubmitReply):
             log.info("refused a job: %s", parsed.error)
@@ -189,10 +221,32 @@ class Scheduler:
                 reply = SubmitReply(ok=False, error=e.reason, field="api_key")
             else:
                 reply = await self.submit(parsed, user)
-        if m.reply:
-            await self.bus.nc.publish(m.reply, encode(reply))
+        await self.bus.nc.publish(m.reply, encode(reply))
 
     async def submit(self, cmd: SubmitJob, user: User) -> SubmitReply:
+        """Record a checked job as QUEUED (placement follows). Refuses, naming the field:
+        a path in the spec outside the user's own area (access.check_spec_paths), more
+        than `max_unfinished_jobs_per_user` unfinished jobs, a taken job id."""
+        from opentinker.services.core.access import check_model_ref, confine_path
+
+        mine = [r for r, _ in await self.records(every_pool=True) if r.user == user.name]
+        rules = dict(user=user.name, admin=user.role == "admin", home=self.settings.home,
+                     own_jobs={r.job_id for r in mine})
+        try:
+            # the checked form is what every service is given (a relative path resolved
+            # in the user's area, symlinks resolved): what runs is what was checked
+            changes = {"model": check_model_ref(cmd.spec.model, **rules)}
+            if cmd.spec.sft_data:
+                changes["sft_data"] = str(confine_path(cmd.spec.sft_data, field="sft_data", **rules))
+        except SpecError as e:
+            return SubmitReply(ok=False, error=str(e), field=e.field)
+        cmd = msgspec.structs.replace(cmd, spec=msgspec.structs.replace(cmd.spec, **changes))
+        unfinished = sum(1 for r in mine if not r.state.terminal)
+        limit = self.settings.max_unfinished_jobs_per_user
+        if user.role != "admin" and unfinished >= limit:
+            return SubmitReply(ok=False, field="job_id", error=(
+                f"user {user.name!r} has {unfinished} unfinished jobs, the most one user may queue "
+                f"(max_unfinished_jobs_per_user = {limit}); cancel one or wait"))
         job_id = cmd.job_id or new_job_id(cmd.spec.name or cmd.spec.env)
         now = time.time()
         token = ""
@@ -266,15 +320,19 @@ class Scheduler:
         self.wake.set()
         return CancelReply(ok=True, state=rec.state.value)
 
-    async def on_event(self, ev: JobStateChanged, _m: Msg) -> None:
+    async def on_event(self, ev: JobStateChanged, m: Msg) -> None:
         """Fold a learner's (or inference client's) report into the job record. A
-        terminal record never changes; a report from a past attempt is ignored."""
+        terminal record never changes; a report from a past attempt is ignored. Raises
+        MessageRefused (dead-lettered) for a report whose body names another job than
+        its subject."""
+        if ev.job_id != S.job_id_of(m.subject):
+            raise MessageRefused(f"JobStateChanged.job_id: {ev.job_id!r} on {m.subject}")
         if ev.source == SERVICE:
             return
         async with self.lock:
             got = await self.record(ev.job_id)
             if got is None:
-                return
+                raise MessageRefused(f"JobStateChanged.job_id: no job {ev.job_id!r}")
             rec, rev = got
             if rec.state.terminal or rec.placement is None or ev.attempt not in (0, rec.attempt):
                 return
@@ -293,14 +351,26 @@ class Scheduler:
 
     # -- placement --
 
+    def settled(self) -> bool:
+        """Whether the pool's heartbeats can be trusted now: not within WORKER_TTL_S of
+        this process connecting, or reconnecting, to NATS. Across a NATS outage every
+        heartbeat fails and expires; workers beat again within WORKER_HEARTBEAT_S of the
+        server's return, and no healthy job must be requeued meanwhile."""
+        reconnects = self.bus.nc.stats.get("reconnects", 0)
+        if reconnects != self._reconnects:
+            self._reconnects = reconnects
+            self._trust_after = time.monotonic() + S.WORKER_TTL_S
+        return time.monotonic() >= self._trust_after
+
     async def reconcile(self) -> None:
         """One round: requeue the jobs of lost workers, then place queued jobs."""
         await self.load_quotas()
         async with self.lock:
             live = await live_workers(self.bus, self.pool)
             recs = await self.records()
+            settled = self.settled()
             for i, (rec, rev) in enumerate(recs):
-                lost = lost_workers(rec, live) if not rec.state.terminal else []
+                lost = lost_workers(rec, live) if not rec.state.terminal and settled else []
                 if lost:
                     with contextlib.suppress(Conflict):  # changed meanwhile: next round
                         recs[i] = await self.requeue(rec, rev, lost)
@@ -372,8 +442,12 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
         from opentinker.services.core.natsauth import AuthCallout
 
         seed = Path(settings.nats_callout_issuer_file).read_bytes().strip()
-        await AuthCallout(bus.nc, seed, sched.nats_grant).start()
-        log.info("answering the NATS auth callout: users connect with their API key")
+        xkey = Path(settings.nats_callout_xkey_file).read_bytes().strip() if settings.nats_callout_xkey_file else None
+        await AuthCallout(bus.nc, seed, sched.nats_grant, xkey, on_unreadable=bus.dead_letter).start()
+        log.info("answering the NATS auth callout%s: users connect with their API key",
+                 " (sealed with an xkey)" if xkey else "")
+    if settings.nats_system_nkey_file:
+        await sched.connect_system(settings.nats_url, settings.nats_system_nkey_file)
     events = await bus.pull("OT_EVENTS", f"scheduler-events-{settings.pool}", "ot.job.*.events")
     placing = asyncio.create_task(sched.run_placement(stop))
     server = None
@@ -386,6 +460,8 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     try:
         await bus.consume(events, JobStateChanged, sched.on_event, stop)
     finally:
+        if sched.system is not None:
+            await sched.system.nc.close()
         placing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await placing

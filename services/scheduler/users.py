@@ -87,12 +87,27 @@ class Users:
     async def user(self, name: str) -> User | None:
         return await self._get(S.KV_USERS, name, User) if USER_RE.match(name) else None
 
+    async def _all(self, bucket: str, kind):
+        """Every readable record of `bucket`; an unreadable one is logged and skipped
+        (one bad entry must not stop every placement round, as it once did)."""
+        out = []
+        for key, (value, _) in (await self.bus.kv_values(bucket)).items():
+            try:
+                rec = decode(value, kind)
+            except msgspec.MsgspecError as e:
+                log.warning("ignoring an unreadable %s entry %r: %s", bucket, key, e)
+                continue
+            if getattr(rec, "name", None) == key or getattr(rec, "key_id", None) == key:
+                out.append(rec)
+            else:
+                log.warning("ignoring %s entry %r: it describes another key", bucket, key)
+        return out
+
     async def users(self) -> list[User]:
-        out = [decode(v, User) for v, _ in (await self.bus.kv_values(S.KV_USERS)).values()]
-        return sorted(out, key=lambda u: u.name)
+        return sorted(await self._all(S.KV_USERS, User), key=lambda u: u.name)
 
     async def keys(self, user: str | None = None) -> list[ApiKey]:
-        out = [decode(v, ApiKey) for v, _ in (await self.bus.kv_values(S.KV_KEYS)).values()]
+        out = await self._all(S.KV_KEYS, ApiKey)
         return sorted((k for k in out if user is None or k.user == user), key=lambda k: k.created_s)
 
     async def create_user(self, name: str, role: Role = "user", max_jobs: int = 0, max_workers: int = 0) -> User:

@@ -206,8 +206,31 @@ async def test_close_and_idle_episodes_are_dropped():
         r = await host.reset("arith", req, None)
         assert r.host_id == "h"
     await host.close(EnvCloseRequest(episode_id="a"), None)
-    assert set(host.episodes) == {"b"}
-    assert host.sweep(now=host.episodes["b"].last_used + 30) == 0
-    assert host.sweep(now=host.episodes["b"].last_used + 61) == 1
+    assert set(host.episodes) == {("", "b")}
+    assert host.sweep(now=host.episodes[("", "b")].last_used + 30) == 0
+    assert host.sweep(now=host.episodes[("", "b")].last_used + 61) == 1
     assert "not open" in (await host.step(EnvStepRequest(episode_id="b", action="3"), None)).error
+    host.shutdown()
+
+
+async def test_one_jobs_episode_ids_never_reach_another_jobs_games():
+    """Episode ids come from request ids a job chooses; a job naming another job's
+    episode id (even the exact one) must not step, close or overwrite that game."""
+    from opentinker.services.envhost.envs.arith import ArithGame
+
+    host = EnvHost({"arith": ArithGame}, "h", max_concurrency=2, episode_ttl_s=60)
+    eid = "victim-s7-g0-e0"
+    await host.reset("arith", EnvResetRequest(env="arith", episode_id=eid, job_id="victim",
+                                              state={"a": 1, "b": 2}), None)
+    game = host.episodes[("victim", eid)].game
+    # the attacker resets, steps and closes under the same episode id in its own job
+    await host.reset("arith", EnvResetRequest(env="arith", episode_id=eid, job_id="attacker",
+                                              state={"a": 5, "b": 5}), None)
+    assert host.episodes[("victim", eid)].game is game  # not overwritten
+    await host.close(EnvCloseRequest(episode_id=eid, job_id="attacker"), None)
+    stray = await host.step(EnvStepRequest(episode_id=eid, job_id="attacker", action="3"), None)
+    assert "not open" in stray.error and ("victim", eid) in host.episodes
+    # the victim's own episode goes on: 1 + 2 = 3 is right
+    reply = await host.step(EnvStepRequest(episode_id=eid, job_id="victim", action="3"), None)
+    assert reply.done and reply.reward == 1.0 and not reply.error
     host.shutdown()

@@ -1,6 +1,7 @@
 """The learner as a real subprocess on a real nats-server, with the test playing the
 rollout side: it answers RolloutRequests with well-formed trajectories (token ids from
-the tiny model's tokenizer, logprobs from the tiny model itself)."""
+the tiny model's tokenizer, logprobs from the tiny model itself), and the scheduler's
+part: a job record placing each job on the learner (`place_job`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from conftest import delete_consumers
+from conftest import delete_consumers, place_job
 import torch
 from nats.js.api import DeliverPolicy
 from safetensors.torch import load as load_safetensors
@@ -52,6 +53,7 @@ class FakeRollout:
         logprobs = [0.0] * n + [float(logp[t - 1, ids[t]]) for t in range(n, len(ids))]
         return Trajectory(
             job_id=req.job_id, request_id=req.request_id, episode_id=f"{req.request_id}-e{k}",
+            policy_run=req.policy_run if policy_version > 0 else "",
             step=req.step, group_index=req.group_index, group_size=req.group_size, token_ids=ids,
             loss_mask=[0] * n + [1] * len(answer), logprobs=logprobs, prompt_len=n,
             turns=[TurnRecord(gen_start=n, gen_end=len(ids), obs_end=len(ids), reward=float(k == 0),
@@ -99,12 +101,22 @@ async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
     dlq = await bus.pull("OT_DLQ", f"dlq-{job_id}", S.dead_letter("learner"), deliver_policy=DeliverPolicy.NEW)
     fake = FakeRollout(tiny_model)
     services.start("learner", f"worker_id=l-{job_id}")
-    # an undecodable assignment and a job that cannot load its model come first: the
-    # learner dead-letters the one, fails the other, and goes on to the real job
+    # an undecodable assignment, assignments no record places here, and a job that
+    # cannot load its model come first: the learner dead-letters the first three, fails
+    # the last, and goes on to the real job
     await bus.js.publish(S.assign_learner(f"l-{job_id}"), b"\xc1 not msgpack")
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=f"{job_id}-unknown", spec=spec, attempt=1,
+                                                                    rollout_workers=["fake"]))
+    await place_job(bus, f"{job_id}-other", spec, learner="another-learner", rollout=["fake"])
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=f"{job_id}-other", spec=spec, attempt=1,
+                                                                    rollout_workers=["fake"]))
     bad = msgspec.structs.replace(spec, model=str(services.home / "no-such-model"))
-    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=bad_id, spec=bad, rollout_workers=["fake"]))
-    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"]), msg_id=f"assign-{job_id}")
+    await place_job(bus, bad_id, bad, learner=f"l-{job_id}", rollout=["fake"])
+    await place_job(bus, job_id, spec, learner=f"l-{job_id}", rollout=["fake"])
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=bad_id, spec=bad, rollout_workers=["fake"],
+                                                                    attempt=1))
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"],
+                                                                    attempt=1), msg_id=f"assign-{job_id}")
 
     requests: list[RolloutRequest] = []
     seen = {Metrics: [], WeightsPublished: [], JobStateChanged: []}
@@ -131,15 +143,20 @@ async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
     assert failed[-1].state == JobState.FAILED and "no-such-model" in failed[-1].reason
     letters: list[DeadLetter] = []
     await drain(bus, dlq, DeadLetter, letters)
-    assert any(d.subject == S.assign_learner(f"l-{job_id}") and "JobAssigned" in d.reason for d in letters)
+    assert any(d.subject == S.assign_learner(f"l-{job_id}") and "cannot decode JobAssigned" in d.reason
+               for d in letters)
+    assert any(f"no job '{job_id}-unknown'" in d.reason for d in letters), letters
+    assert any(f"does not place attempt 1 on learner l-{job_id}" in d.reason for d in letters), letters
 
     states = [e.state for e in seen[JobStateChanged] if e.source == "learner"]
     assert states[0] == JobState.RUNNING and states[-1] == JobState.COMPLETED, services.logs()
 
     # requests: one group per prompt per step, deterministic seeds, the stale group asked again
     ids = sorted(r.request_id for r in requests)
-    assert ids == sorted([f"{job_id}-s0-g0", f"{job_id}-s0-g1", f"{job_id}-s1-g0",
-                          f"{job_id}-s1-g0-a1", f"{job_id}-s1-g1"])
+    run = requests[0].policy_run
+    assert run and all(r.policy_run == run and r.attempt == 1 for r in requests)
+    assert ids == sorted([f"{job_id}-s0-g0-r{run}", f"{job_id}-s0-g1-r{run}", f"{job_id}-s1-g0-r{run}",
+                          f"{job_id}-s1-g0-a1-r{run}", f"{job_id}-s1-g1-r{run}"])
     assert [r.policy_version for r in requests if r.step == 1] == [1, 1, 1]
 
     metrics = {m.step: m for m in seen[Metrics]}
@@ -181,7 +198,9 @@ async def test_a_restarted_learner_resumes_from_the_checkpoint(bus, job_id, tiny
     events_sub = await bus.pull("OT_EVENTS", f"watch-{job_id}-e", S.job(job_id, "events"))
     fake = FakeRollout(tiny_model)
     first = services.start("learner", f"worker_id=l-{job_id}")
-    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"]), msg_id=f"assign-{job_id}")
+    await place_job(bus, job_id, spec, learner=f"l-{job_id}", rollout=["fake"])
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"],
+                                                                    attempt=1), msg_id=f"assign-{job_id}")
 
     pending: list[tuple[RolloutRequest, object]] = []
     metrics: list[Metrics] = []
@@ -256,7 +275,10 @@ async def test_a_cancelled_job_stops_and_the_learner_serves_the_next(bus, job_id
     metrics_sub = await bus.pull("OT_METRICS", f"watch-{job_id}-m", S.job(job_id, "metrics"))
     fake = FakeRollout(tiny_model)
     services.start("learner", f"worker_id=l-{job_id}")
-    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"]))
+    await place_job(bus, job_id, spec, learner=f"l-{job_id}", rollout=["fake"])
+    await place_job(bus, next_id, msgspec.structs.replace(spec, steps=1), learner=f"l-{job_id}", rollout=["fake"])
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"],
+                                                                    attempt=1))
     metrics: list[Metrics] = []
     events: list[JobStateChanged] = []
     deadline = time.monotonic() + TIMEOUT_S
@@ -280,7 +302,7 @@ async def test_a_cancelled_job_stops_and_the_learner_serves_the_next(bus, job_id
         job_id=job_id, state=JobState.CANCELLED, reason="by the test", source="scheduler"))
     # the learner hands the job back as done and takes the next one
     await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=next_id, spec=msgspec.structs.replace(spec, steps=1),
-                                                          rollout_workers=["fake"]))
+                                                          rollout_workers=["fake"], attempt=1))
     while not any(e.job_id == next_id and e.state == JobState.COMPLETED for e in events):
         await poll()
 
@@ -291,3 +313,93 @@ async def test_a_cancelled_job_stops_and_the_learner_serves_the_next(bus, job_id
     while (info := await bus.js.consumer_info("OT_CTL", f"learner-l-{job_id}")).num_ack_pending:
         await poll()
     assert info.num_pending == 0 and info.num_redelivered == 0
+
+
+def failed_episode(req: RolloutRequest, k: int, error: str) -> Trajectory:
+    """What rollout publishes for an episode its environment or engine failed."""
+    return Trajectory(job_id=req.job_id, request_id=req.request_id, episode_id=f"{req.request_id}-e{k}",
+                      step=req.step, group_index=req.group_index, group_size=req.group_size, token_ids=[],
+                      loss_mask=[], logprobs=[], prompt_len=0, turns=[], reward=0.0, policy_version=0,
+                      error=error)
+
+
+@pytest.mark.timeout(300)
+async def test_groups_that_fail_or_never_come_are_asked_again_then_fail_the_job_naming_why(
+        bus, job_id, tiny_model, services):
+    """Before: a group whose request rollout had dead-lettered (a model it cannot load,
+    weights it cannot apply) left the learner waiting forever, and a group of failed
+    episodes was trained as the policy's failures."""
+    spec = JobSpec(model=tiny_model, lora_rank=4, lora_alpha=8, steps=2, prompts_per_step=1, group_size=2,
+                   micro_batch_size=2, sampling=SamplingParams(max_new_tokens=8), rollout_timeout_s=1.5)
+    erroring, silent = f"{job_id}-err", f"{job_id}-silent"
+    subs = {j: await bus.pull("OT_ROLLOUT", f"fake-rollout-{j}", S.rollout(j, "fake")) for j in (erroring, silent)}
+    events = {j: await bus.pull("OT_EVENTS", f"watch-{j}", S.job(j, "events")) for j in (erroring, silent)}
+    services.start("learner", f"worker_id=l-{job_id}")
+    for j in (erroring, silent):
+        await place_job(bus, j, spec, learner=f"l-{job_id}", rollout=["fake"])
+        await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=j, spec=spec, rollout_workers=["fake"],
+                                                                        attempt=1))
+    asked: dict[str, list[RolloutRequest]] = {erroring: [], silent: []}
+    seen: dict[str, list[JobStateChanged]] = {erroring: [], silent: []}
+    deadline = time.monotonic() + 240
+    while not all(any(e.state.terminal for e in seen[j]) for j in seen):
+        assert time.monotonic() < deadline, services.logs()
+        for j, sub in subs.items():
+            for m in await bus.fetch(sub, 8, 0.2):
+                req = decode(m.data, RolloutRequest)
+                asked[j].append(req)
+                if j == erroring:  # every episode fails in the environment; the silent job's never come
+                    for k in range(req.group_size):
+                        await bus.publish(S.job(j, "traj"), failed_episode(req, k, "EnvError: env reset: no env "
+                                                                                  "host serves ot.env.arith.reset"))
+                await m.ack()
+        for j, sub in events.items():
+            await drain(bus, sub, JobStateChanged, seen[j])
+    for j, why in ((erroring, "every episode failed: EnvError: env reset: no env host serves"),
+                   (silent, "timeout: 0 of 2 episodes")):
+        last = seen[j][-1]
+        assert last.state == JobState.FAILED and "8 attempts" in last.reason and why in last.reason, last
+        # step 0's one group, asked 8 times, then nothing: no step was trained on failures
+        assert [r.step for r in asked[j]] == [0] * 8, [r.request_id for r in asked[j]]
+        assert len({r.request_id for r in asked[j]}) == 8
+
+
+@pytest.mark.timeout(300)
+async def test_a_learner_that_missed_its_requeue_stops_before_overwriting_the_next_attempt(
+        bus, job_id, tiny_model, services):
+    """Before: a learner that did not see the scheduler's requeue event kept training,
+    publishing weights and overwriting the checkpoint the job's next attempt resumes from."""
+    spec = JobSpec(model=tiny_model, lora_rank=4, lora_alpha=8, steps=6, prompts_per_step=1, group_size=2,
+                   micro_batch_size=2, checkpoint_every=1, sampling=SamplingParams(max_new_tokens=8))
+    rollout_sub = await bus.pull("OT_ROLLOUT", f"fake-rollout-{job_id}", S.rollout(job_id, "fake"))
+    weights_sub = await bus.pull("OT_WEIGHTS", f"watch-{job_id}-w", S.job(job_id, "weights"))
+    fake = FakeRollout(tiny_model)
+    services.start("learner", f"worker_id=l-{job_id}")
+    await place_job(bus, job_id, spec, learner=f"l-{job_id}", rollout=["fake"])
+    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"],
+                                                                    attempt=1))
+    weights: list[WeightsPublished] = []
+    deadline = time.monotonic() + 200
+    while not weights:
+        assert time.monotonic() < deadline, services.logs()
+        for m in await bus.fetch(rollout_sub, 8, 0.2):
+            req = decode(m.data, RolloutRequest)
+            for k in range(req.group_size):
+                await bus.publish(S.job(job_id, "traj"), fake.episode(req, k, req.policy_version))
+            await m.ack()
+        await drain(bus, weights_sub, WeightsPublished, weights)
+    ckpt = await bus.get_object(S.OBJ_CHECKPOINTS, f"{job_id}/latest")
+    # the scheduler requeues the job and places it elsewhere (attempt 2); this learner
+    # never hears of it (no event), but keeps being answered
+    await place_job(bus, job_id, spec, learner="another-learner", rollout=["fake"], attempt=2)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 15:
+        for m in await bus.fetch(rollout_sub, 8, 0.2):
+            req = decode(m.data, RolloutRequest)
+            for k in range(req.group_size):
+                await bus.publish(S.job(job_id, "traj"), fake.episode(req, k, req.policy_version))
+            await m.ack()
+        await drain(bus, weights_sub, WeightsPublished, weights)
+    assert [w.policy_version for w in weights] == [1], [w.policy_version for w in weights]
+    assert await bus.get_object(S.OBJ_CHECKPOINTS, f"{job_id}/latest") == ckpt
+    assert "attempt 1 is stale" in services.logs() or "stops" in services.logs(), services.logs()

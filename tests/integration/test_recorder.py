@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import time
 
+import msgspec
 import pyarrow.parquet as pq
 from nats.js.api import DeliverPolicy
 
@@ -148,3 +149,42 @@ async def test_restarts_neither_lose_nor_double_rows(bus, services, job_id, tmp_
     assert run_query(count(job_id), log)[1] == [(9,)]
     assert run_query(f"SELECT sum(reward) FROM trajectories WHERE job_id = '{job_id}'", log)[1] == [(6.0,)]
 
+
+
+async def test_values_the_columns_cannot_hold_are_dead_lettered_and_recording_goes_on(
+        bus, services, job_id, tmp_path):
+    """A step of 2**63 (the int64 column), a turn offset of 2**40 (the int32 column):
+    each such message is dead-lettered naming the field, every other message of the
+    job is recorded, and the recorder keeps running (it once crash-looped on these,
+    JetStream redelivering them forever)."""
+    log = tmp_path / "log"
+    dlq = await bus.pull("OT_DLQ", f"dlq-{job_id}", S.dead_letter("recorder"), deliver_policy=DeliverPolicy.NEW)
+    proc = services.start("recorder", f"data_dir={log}", *FAST)
+    metrics, events, trajs = S.job(job_id, "metrics"), S.job(job_id, "events"), S.job(job_id, "traj")
+    await bus.publish(metrics, Metrics(job_id=job_id, step=2**63, policy_version=0, values={"loss": 1.0}))
+    await bus.publish(events, JobStateChanged(job_id=job_id, state=JobState.RUNNING, step=2**63, source="learner"))
+    bad = traj(job_id, 0, 0, 1.0)
+    bad = msgspec.structs.replace(bad, turns=[msgspec.structs.replace(bad.turns[0], gen_start=2**40)])
+    await bus.publish(trajs, bad)
+    await bus.publish(metrics, Metrics(job_id=job_id, step=1, policy_version=1, values={"loss": 0.5}))
+    await bus.publish(events, JobStateChanged(job_id=job_id, state=JobState.COMPLETED, step=1, time_s=time.time()))
+    await publish_trajs(bus, job_id, 1, [1.0, 0.0])
+
+    await until(f"SELECT step, value FROM metrics WHERE job_id = '{job_id}'", log, [(1, 0.5)], proc)
+    await until(f"SELECT state, step FROM events WHERE job_id = '{job_id}'", log, [("completed", 1)], proc)
+    await until(f"SELECT step, count(*) FROM trajectories WHERE job_id = '{job_id}' GROUP BY step", log,
+                [(1, 2)], proc)
+    recs: dict[str, DeadLetter] = {}
+    deadline = time.monotonic() + 20
+    while len(recs) < 3 and time.monotonic() < deadline:
+        for m in await bus.fetch(dlq, 10, 1):
+            r = decode(m.data, DeadLetter)
+            if job_id in r.subject:
+                recs[r.subject] = r
+    assert set(recs) == {metrics, events, trajs}
+    assert "step" in recs[metrics].reason and "step" in recs[events].reason
+    assert "turns.gen_start" in recs[trajs].reason and str(2**40) in recs[trajs].reason, recs[trajs].reason
+    await asyncio.sleep(4)  # past the ack wait: a bad message not terminated would come back
+    assert proc.poll() is None
+    info = await bus.js.consumer_info("OT_TRAJ", "recorder-traj")
+    assert info.num_ack_pending == 0

@@ -4,7 +4,8 @@ multi-turn game served in-test on the env subjects (the real envhost is not need
 Checks what a learner relies on: trajectories arrive per episode with exact masks,
 their logprobs are the policy's (recomputed with transformers), a published LoRA
 version is applied and recorded, finished jobs are skipped, bad requests are
-dead-lettered."""
+dead-lettered, and a worker serves only the jobs the scheduler's record places on it,
+with the record's model."""
 
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ async def serve_game(bus, env: str, host_id: str) -> list:
 
 
 def rollout_request(job_id: str, model: str, env: str, request_id: str, version: int) -> RolloutRequest:
-    return RolloutRequest(job_id=job_id, request_id=request_id, step=version, group_index=0,
+    """A request of `job_id` with id `<job_id>-<request_id>` (placement attempt 1)."""
+    return RolloutRequest(job_id=job_id, request_id=f"{job_id}-{request_id}", step=version, group_index=0,
+                          attempt=1,
                           group_seed=3, policy_version=version, model=model, env=env, group_size=3,
                           sampling=SamplingParams(temperature=1.0, max_new_tokens=6, max_turns=3))
 
@@ -130,7 +133,11 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
     subscriptions."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from conftest import place_job
+
     env = f"count-{job_id}"
+    await place_job(bus, job_id, JobSpec(model=tiny_model, env=env), rollout=[f"w-{job_id}"])
+    await place_job(bus, f"{job_id}-b", JobSpec(model=tiny_model, env=env), rollout=[f"w-{job_id}"])
     subs = await serve_game(bus, env, host_id=f"h-{job_id}")
     traj_sub = await bus.pull("OT_TRAJ", f"traj-{job_id}", S.job(job_id, "traj"))
     # with vLLM, its multi-LoRA path (off by default on CPU, see bench/multi_lora.py)
@@ -142,7 +149,7 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
     # policy version 0: the base model
     await bus.publish(S.rollout(job_id, f"w-{job_id}"), rollout_request(job_id, tiny_model, env, "r0", 0))
     v0 = await collect(bus, traj_sub, 3, services)
-    assert [t.episode_id for t in v0] == ["r0-e0", "r0-e1", "r0-e2"]
+    assert [t.episode_id for t in v0] == [f"{job_id}-r0-e{i}" for i in range(3)]
     for t in v0:
         check_masks(t, tok)
         assert t.policy_version == 0 and t.engine == engine and t.worker == f"w-{job_id}"
@@ -197,7 +204,10 @@ async def test_rollout_service_hf(bus, services, job_id, tiny_model, tmp_path):
     policy, traj_sub, env, subs = await run_rollout("hf", bus, services, job_id, tiny_model, tmp_path)
 
     # a restarted worker knows the job's policy from the stream alone
+    from conftest import place_job
+
     services.stop_all()
+    await place_job(bus, job_id, JobSpec(model=tiny_model, env=env), rollout=[f"w2-{job_id}"])
     services.start("rollout", "engine=hf", f"worker_id=w2-{job_id}")
     await bus.publish(S.rollout(job_id, f"w2-{job_id}"), rollout_request(job_id, tiny_model, env, "r3", 2))
     for t in await collect(bus, traj_sub, 3, services):
@@ -218,12 +228,25 @@ async def test_rollout_service_hf(bus, services, job_id, tiny_model, tmp_path):
     await bus.js.publish(S.rollout(job_id, f"w2-{job_id}"), b"\xc1 not a request")
     bad = msgspec.structs.replace(rollout_request(job_id, "m", "count", "ry", 0), group_size=0)
     await bus.js.publish(S.rollout(job_id, f"w2-{job_id}"), encode(bad))
-    reasons = []
+    # what the scheduler never placed here: another model than the job's (an engine a
+    # job could load past placement and quotas), a job placed elsewhere, a job with no
+    # record, a request id that is not the job's own
+    await bus.publish(S.rollout(job_id, f"w2-{job_id}"), rollout_request(job_id, "gpt2", env, "rz", 0))
+    elsewhere = f"{job_id}-far"
+    await place_job(bus, elsewhere, JobSpec(model=tiny_model, env=env), rollout=["some-other-worker"])
+    await bus.publish(S.rollout(elsewhere, f"w2-{job_id}"), rollout_request(elsewhere, tiny_model, env, "rw", 0))
+    await bus.publish(S.rollout(f"{job_id}-none", f"w2-{job_id}"),
+                      rollout_request(f"{job_id}-none", tiny_model, env, "rv", 0))
+    await bus.publish(S.rollout(job_id, f"w2-{job_id}"), msgspec.structs.replace(
+        rollout_request(job_id, tiny_model, env, "ru", 0), request_id="another-job-s0-g0"))
+    expected = ["cannot decode RolloutRequest", "`group_size`", "`model`: 'gpt2' is not job",
+                f"job {elsewhere} is not placed on worker w2-{job_id}", f"no job '{job_id}-none'", "`request_id`"]
+    letters: list[DeadLetter] = []
     deadline = time.monotonic() + 60
-    while len(reasons) < 2 and time.monotonic() < deadline:
-        reasons += [decode(m.data, DeadLetter).reason for m in await bus.fetch(dlq, 5, 1.0)]
-    assert any("cannot decode RolloutRequest" in r for r in reasons), reasons
-    assert any("`group_size`" in r for r in reasons), reasons
+    while not all(any(e in d.reason for d in letters) for e in expected) and time.monotonic() < deadline:
+        letters += [decode(m.data, DeadLetter) for m in await bus.fetch(dlq, 5, 1.0)]
+    for e in expected:
+        assert any(e in d.reason for d in letters), (e, [(d.subject, d.reason) for d in letters])
     for _ in range(30):  # acked requests leave the work queue
         try:
             await bus.js.get_last_msg("OT_ROLLOUT", S.rollout(done_job, f"w2-{job_id}"))

@@ -93,3 +93,63 @@ def test_per_token_advantages_follow_the_turns_and_shift_like_the_mask():
     assert batch.advantages.tolist() == [[0, 0.5, 0.5, 0, -2.0, -2.0, 0]]
     with pytest.raises(ValueError, match="turn advantages"):
         token_advantages(t, [1.0])
+
+
+def episode(reward, error="", group=0, k=0):
+    """A one-turn episode: prompt [1, 2], policy tokens [3, 4]."""
+    return Trajectory(job_id="j", request_id=f"r{group}", episode_id=f"g{group}e{k}", step=0,
+                      group_index=group, group_size=4, token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
+                      logprobs=[0.0, 0.0, -1.0, -1.0], prompt_len=2,
+                      turns=[TurnRecord(gen_start=2, gen_end=4, obs_end=4, reward=reward)],
+                      reward=reward, policy_version=0, error=error)
+
+
+def test_error_episodes_are_left_out_of_the_loss_and_of_their_group_statistics():
+    from opentinker.services.learner.batching import step_advantages
+
+    # group 0: three successes and an env crash (its reward -1 says nothing about the
+    # policy); group 1: a single success among three crashes (nothing to compare with)
+    g0 = [episode(1.0, k=0), episode(0.0, k=1), episode(-1.0, "env crashed", k=2), episode(1.0, k=3)]
+    g1 = [episode(1.0, group=1, k=0)] + [episode(0.0, "engine error", group=1, k=k) for k in (1, 2, 3)]
+    step = step_advantages(g0 + g1, prompts_per_step=2, group_size=4)
+    # non-error rewards [1, 0, 1]: mean 2/3, sample std sqrt((1/9 + 4/9 + 1/9) / 2) = 1/sqrt(3)
+    s = 3 ** -0.5 + 1e-6
+    assert step.advantages[:4] == pytest.approx([(1 / 3) / s, -(2 / 3) / s, 0.0, (1 / 3) / s], rel=1e-6)
+    assert step.advantages[4:] == [0.0] * 4
+    assert step.excluded == [False, False, True, False, True, True, True, True]
+    assert step.excluded_frac == 5 / 8
+
+    batch = build_batch(g0, step.advantages[:4], pad_id=0, exclude=step.excluded[:4])
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0]] * 2 + [[0, 0, 0, 0]] + [[0, 1, 1, 0]]
+    assert batch.logprobs[2].tolist() == [0.0] * 4
+    mbs = micro_batches(g0 + g1, step.advantages, 3, pad_id=0, exclude=step.excluded)
+    assert sum(b.num_tokens for b in mbs) == 3 * 2  # only group 0's three successes train
+
+
+def test_turn_credit_also_leaves_error_episodes_out():
+    from opentinker.services.learner.batching import step_advantages
+
+    g = [episode(1.0, k=0), episode(0.0, k=1), episode(-1.0, "env crashed", k=2), episode(0.0, k=3)]
+    step = step_advantages(g, prompts_per_step=1, group_size=4, credit="turn", turn_discount=0.9)
+    # non-error returns [1, 0, 0]: mean 1/3, sample std sqrt((4/9 + 1/9 + 1/9) / 2) = 1/sqrt(3)
+    s = 3 ** -0.5 + 1e-6
+    assert step.advantages[0] == pytest.approx([0, 0, (2 / 3) / s, (2 / 3) / s], rel=1e-6)
+    assert step.advantages[1] == pytest.approx([0, 0, -(1 / 3) / s, -(1 / 3) / s], rel=1e-6)
+    assert step.advantages[2] == [0.0] * 4
+    assert step.excluded == [False, False, True, False]
+    batch = build_batch(g, step.advantages, pad_id=0, exclude=step.excluded)
+    assert batch.advantages[2].tolist() == [0.0] * 4 and batch.loss_mask[2].sum() == 0
+
+
+def test_step_advantages_without_errors_are_grpos_and_check_the_step_size():
+    from opentinker.services.learner.batching import step_advantages
+    from opentinker.services.learner.loss import group_advantages
+
+    rewards = [1.0, 0.0, 0.5, 0.5, 0.2, 0.2]
+    step = step_advantages([episode(r, k=k) for k, r in enumerate(rewards)], prompts_per_step=3, group_size=2)
+    assert step.advantages == pytest.approx(group_advantages(torch.tensor(rewards).view(3, 2)).view(-1).tolist())
+    assert step.excluded == [False] * 6 and step.excluded_frac == 0.0
+    with pytest.raises(ValueError, match="3 groups of 2"):
+        step_advantages([episode(1.0)] * 5, prompts_per_step=3, group_size=2)
+    with pytest.raises(ValueError, match="credit"):
+        step_advantages([episode(1.0)] * 2, prompts_per_step=1, group_size=2, credit="token")

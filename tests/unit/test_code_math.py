@@ -120,10 +120,19 @@ def test_tools_and_prompt_describe_both_formats():
     ({"max_tool_calls": -1}, "env_args.max_tool_calls"), ({"timeout_s": 0}, "env_args.timeout_s"),
     ({"memory_mb": 8}, "env_args.memory_mb"), ({"source": "math"}, "env_args.source"),
     ({"digits": 0}, "env_args.digits"), ({"split": "dev"}, "env_args.split"),
+    # upper bounds: a tenant's env_args never size a sandbox beyond these
+    ({"memory_mb": 8193}, "env_args.memory_mb"), ({"memory_mb": 2**40}, "env_args.memory_mb"),
+    ({"timeout_s": 61}, "env_args.timeout_s"), ({"timeout_s": float("nan")}, "env_args.timeout_s"),
+    ({"timeout_s": float("inf")}, "env_args.timeout_s"), ({"max_tool_calls": 1025}, "env_args.max_tool_calls"),
 ])
 def test_bad_env_args_name_the_arg(env_args, field):
     with pytest.raises(ValueError, match=field):
         CodeMathGame(**env_args)
+
+
+def test_largest_env_args_are_accepted():
+    g = CodeMathGame(source="arith", memory_mb=8192, timeout_s=60, max_tool_calls=1024)
+    assert g.limits.memory_mb == 8192 and g.max_tool_calls == 1024
 
 
 @pytest.fixture

@@ -75,3 +75,20 @@ def test_plot_writes_a_chart_per_metric_and_episodes_show_the_mask(log, tmp_path
     assert [e["episode_id"] for e in eps] == ["e1-0", "e1-1"]
     roles = [(role, mask, n) for role, _, mask, n in eps[0]["segments"]]
     assert roles == [("prompt", 0, 2), ("action", 1, 2), ("observation", 0, 2), ("action", 1, 3)]
+
+
+def test_the_steps_view_names_what_each_step_trained_on_after_a_redo(tmp_path):
+    """A step a lost learner run had trained and reported is trained again by the resumed
+    run: the `steps` view keeps the resumed run's groups only, once each, even when a
+    report was written twice (a recorder crash between write and ack)."""
+    from opentinker.services.recorder.store import step_rows
+
+    lost = Metrics(job_id="j", step=1, policy_version=2, groups=["j-s1-g0-rLOST", "j-s1-g1-rLOST"])
+    redo = Metrics(job_id="j", step=1, policy_version=2, groups=["j-s1-g0-rNEW", "j-s1-g1-a1-rNEW"])
+    first = Metrics(job_id="j", step=0, policy_version=1, groups=["j-s0-g0-rLOST", "j-s0-g1-rLOST"])
+    evaluation = Metrics(job_id="j", step=1, policy_version=1, split="eval", groups=["not-a-step"])
+    rows = [*step_rows(first, 3), *step_rows(lost, 5), *step_rows(redo, 9), *step_rows(redo, 9),
+            *step_rows(evaluation, 10)]
+    write_part(tmp_path, "steps", "j", rows)
+    _, got = run_query("SELECT step, request_id FROM steps ORDER BY step, request_id", tmp_path)
+    assert got == [(0, "j-s0-g0-rLOST"), (0, "j-s0-g1-rLOST"), (1, "j-s1-g0-rNEW"), (1, "j-s1-g1-a1-rNEW")]

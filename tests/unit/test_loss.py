@@ -149,3 +149,37 @@ def test_per_token_advantages_weight_each_token():
     assert logp.grad[0].tolist() == pytest.approx([-2 / 3, -2 / 3, 0.0, 1 / 3])
     with pytest.raises(ValueError, match="advantages must be"):
         grpo_loss(logp, logp_old, torch.zeros(1, 3), mask, clip_range=0.2)
+
+
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage():
+    # equal up to rounding (0.1 + 0.2 != 0.3 in floating point): still no signal, not
+    # a rounding error divided by 1e-6
+    adv = group_advantages(torch.tensor([[0.1 + 0.2, 0.3, 0.3], [-1.0, -1.0, -1.0]], dtype=torch.float64))
+    assert torch.equal(adv, torch.zeros(2, 3))
+
+
+def test_turn_advantages_are_zero_not_huge_when_the_whole_returns_are_equal():
+    """Two gomoku games (illegal="retry"), both lost with one illegal move (-0.1) at
+    different turns: equal whole returns (-1.1), different per-turn returns. The group
+    has nothing to compare; dividing those differences by the 1e-6 floor gave 1e5."""
+    from opentinker.services.learner.loss import turn_advantages
+
+    lost_a = [-0.1, 0.0, -1.0]   # illegal move on turn 0, lost on turn 2
+    lost_b = [0.0, -0.1, -1.0]   # illegal move on turn 1, lost on turn 2
+    [group] = turn_advantages([[lost_a, lost_b]], gamma=1.0)
+    assert group == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    # the same rewards in another order: whole returns equal only up to rounding
+    [group] = turn_advantages([[[0.1, 0.2, -1.0], [0.2, 0.1, -1.0]]], gamma=1.0)
+    assert all(a == 0.0 for ep in group for a in ep)
+
+
+def test_turn_advantages_of_a_normal_group_match_the_hand_computation():
+    from opentinker.services.learner.loss import turn_advantages
+
+    # gamma 0.5: returns A [0 + 0.5 * 1, 1] = [0.5, 1], B [0], C [1]; whole returns
+    # [0.5, 0, 1]: mean 0.5, sample std sqrt((0 + 0.25 + 0.25) / 2) = 0.5
+    [group] = turn_advantages([[[0.0, 1.0], [0.0], [1.0]]], gamma=0.5)
+    s = 0.5 + 1e-6
+    assert group[0] == pytest.approx([0.0, 0.5 / s], abs=1e-12)
+    assert group[1] == pytest.approx([-0.5 / s], rel=1e-12)
+    assert group[2] == pytest.approx([0.5 / s], rel=1e-12)

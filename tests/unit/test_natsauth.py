@@ -30,13 +30,38 @@ def test_a_jwt_round_trips_and_a_tampered_one_is_refused():
         A.decode_jwt("not-a-jwt")
 
 
-def test_a_user_is_granted_only_their_own_jobs_and_inbox():
-    perms = A.user_permissions(["job-a", "job-b"], "k1")
-    assert perms["sub"]["allow"] == ["_INBOX.k1.>", "ot.job.job-a.>", "ot.job.job-b.>"]
-    assert "ot.job.job-a.events" in perms["pub"]["allow"] and "ot.ctl.submit" in perms["pub"]["allow"]
-    assert not any(s.startswith(("$JS", "_INBOX", "ot.ctl.assign")) or s == "ot.job.*.>"
-                   for s in perms["pub"]["allow"] + perms["sub"]["allow"][1:])
-    assert "ot.job.*.>" in A.user_permissions(None, "k1")["sub"]["allow"]  # an admin
+def test_a_user_may_subscribe_to_their_own_jobs_only_and_publish_nothing():
+    perms = A.user_permissions(["job-a", "job-b"])
+    assert perms["sub"]["allow"] == ["ot.job.job-a.>", "ot.job.job-b.>"]
+    assert perms["pub"] == {"deny": [">"]}  # the bus is read-only for a tenant
+    assert A.user_permissions(None)["sub"]["allow"] == ["ot.job.*.>"]  # an admin
+    # no jobs yet: not an empty allow list (nats-server reads that as "anything")
+    assert A.user_permissions([]) == {"pub": {"deny": [">"]}, "sub": {"deny": [">"]}}
+
+
+def test_xkeys_seal_and_open_as_nkeys_xkv1_and_refuse_tampering():
+    a = A.XKey.from_seed(A.new_seed("curve"))
+    b = A.XKey.from_seed(A.new_seed("curve"))
+    assert a.public.startswith("X") and A.public_key(A.new_seed("curve")).startswith("X")
+    sealed = a.seal(b"the request", b.public)
+    assert sealed.startswith(b"xkv1") and b"the request" not in sealed
+    assert b.open(sealed, a.public) == b"the request"
+    with pytest.raises(A.JwtError, match="does not open"):
+        b.open(sealed[:-1] + bytes([sealed[-1] ^ 1]), a.public)
+    with pytest.raises(A.JwtError, match="does not open"):
+        A.XKey.from_seed(A.new_seed("curve")).open(sealed, a.public)  # not the recipient
+    with pytest.raises(A.JwtError):
+        A.XKey.from_seed(A.new_seed("user"))  # not a curve seed
+
+
+def test_the_server_config_separates_services_tenants_and_the_system_account():
+    conf = A.server_auth_config("USVC", "AISS", "XKEY", "USYS")
+    assert 'OT: {\n    jetstream: enabled\n    users: [ { nkey: "USVC" } ]' in conf
+    assert 'exports: [ { stream: "ot.job.>" } ]' in conf
+    assert 'TENANTS: {\n    imports: [ { stream: { account: OT, subject: "ot.job.>" } } ]' in conf
+    assert "service:" not in conf  # tenants import no service: nothing a user sends reaches OT
+    assert 'xkey: "XKEY"' in conf and 'auth_users: [ "USVC", "USYS" ]' in conf
+    assert "system_account: SYS" in conf
 
 
 async def test_the_callout_answers_with_a_signed_grant_or_the_reason():
@@ -55,8 +80,8 @@ async def test_the_callout_answers_with_a_signed_grant_or_the_reason():
     assert ok["iss"] == issuer.public_key.decode()
     assert ok["sub"] == user_nkey and ok["aud"] == server.public_key.decode()
     user = A.decode_jwt(ok["nats"]["jwt"])
-    assert user["sub"] == user_nkey and user["aud"] == A.ACCOUNT and user["name"] == "alice"
-    assert user["nats"]["sub"]["allow"] == ["_INBOX.k1.>", "ot.job.job-a.>"]
+    assert user["sub"] == user_nkey and user["aud"] == A.TENANT_ACCOUNT and user["name"] == "alice/k1"
+    assert user["nats"]["sub"]["allow"] == ["ot.job.job-a.>"] and user["nats"]["pub"] == {"deny": [">"]}
     assert user["exp"] - user["iat"] == A.USER_JWT_TTL_S
 
     for token, reason in (("otk-bad", "wrong API key"), (None, "no API key")):
@@ -65,3 +90,33 @@ async def test_the_callout_answers_with_a_signed_grant_or_the_reason():
 
     with pytest.raises(A.JwtError, match="not an authorization request"):
         await callout.answer(A.encode_jwt({"aud": "elsewhere", "nats": {}}, server))
+
+
+class _Msg:
+    def __init__(self, data: bytes, headers: dict):
+        self.data, self.headers, self.sent = data, headers, []
+
+    async def respond(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+async def test_the_callout_opens_sealed_requests_and_seals_its_answer():
+    issuer_seed, xkey_seed = A.new_seed("account"), A.new_seed("curve")
+    server = nkeys.from_seed(nkeys.encode_seed(b"\x02" * 32, nkeys.PREFIX_BYTE_SERVER))
+    server_x = A.XKey.from_seed(A.new_seed("curve"))
+    callout_x = A.XKey.from_seed(xkey_seed)
+    user_nkey = A.public_key(A.new_seed("user"))
+
+    async def grant(token: str):
+        return "bob", [], "k2"
+
+    callout = A.AuthCallout(None, issuer_seed, grant, xkey_seed)
+    req = server_x.seal(request_jwt(server, "otk-x", user_nkey).encode(), callout_x.public)
+    msg = _Msg(req, {A.SERVER_XKEY_HEADER: server_x.public})
+    await callout.on_request(msg)
+    answer = A.decode_jwt(server_x.open(msg.sent[0], callout_x.public).decode())
+    assert answer["sub"] == user_nkey and "jwt" in answer["nats"]
+    # an unsealed request to a callout that expects sealed ones gets no answer at all
+    plain = _Msg(request_jwt(server, "otk-x", user_nkey).encode(), {})
+    await callout.on_request(plain)
+    assert plain.sent == []

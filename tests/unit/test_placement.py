@@ -39,10 +39,12 @@ def test_a_freed_learner_takes_the_next_queued_job():
 
 
 def test_the_first_job_that_does_not_fit_holds_back_later_ones():
-    live = pool(worker("l1", "learner"), worker("l2", "learner"), worker("r1", "rollout", slots=4))
-    big = job("big", 1.0, rollout_workers=2)   # needs two rollout workers: only one exists
+    live = pool(*(worker(f"l{i}", "learner") for i in range(3)), worker("r1", "rollout", slots=1),
+                worker("r2", "rollout", slots=4))
+    busy = job("a", 0.5, placement=Placement(attempt=1, learner="l0", rollout=["r1"]))
+    big = job("big", 1.0, rollout_workers=2)   # needs both rollout workers: r1 is full now
     small = job("small", 2.0)
-    assert plan([big, small], [], live, lambda u: BIG, 5.0) == []
+    assert plan([big, small], [busy], live, lambda u: BIG, 5.0) == []
 
 
 def test_quota_skips_a_user_without_blocking_others():
@@ -88,3 +90,17 @@ def test_lost_workers_and_a_job_not_yet_let_go():
     live["l1"] = worker("l1", "learner")
     got = plan([requeued], [], live, lambda u: BIG, 5.0)
     assert got[0][1].attempt == 3
+
+
+def test_a_job_the_whole_pool_cannot_hold_blocks_no_one():
+    """A tenant's job asking for more rollout workers than the pool has (or any train job
+    in a pool without a learner) waits forever, but must not stall the FIFO for others."""
+    live = pool(worker("l1", "learner"), worker("l2", "learner"), worker("r1", "rollout", slots=4))
+    impossible = job("huge", 1.0, user="mallory", rollout_workers=5)
+    got = plan([impossible, job("b", 2.0, user="alice")], [], live, lambda u: BIG, 5.0)
+    assert [r.job_id for r, _ in got] == ["b"]
+    # a job that fits the pool but not its free capacity still holds its place (no starvation)
+    busy = job("a", 0.5, placement=Placement(attempt=1, learner="l1", rollout=["r1"]))
+    big = job("big", 1.0, user="carol", rollout_workers=1)
+    live2 = pool(worker("l1", "learner"), worker("l2", "learner"), worker("r1", "rollout", slots=1))
+    assert plan([big, job("c", 2.0, user="dave")], [busy], live2, lambda u: BIG, 5.0) == []

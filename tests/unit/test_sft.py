@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from opentinker.schemas import JobSpec, Trajectory, TurnRecord
+from opentinker.services.core.access import Tenant
 from opentinker.services.learner.sft import (
     Example, load_examples, sft_batches, step_indices,
 )
@@ -184,6 +185,44 @@ def test_query_token_ids_outside_the_vocabulary_are_refused(tmp_path, tok):
     write_log(tmp_path / "data", "job-a", [1.0])
     with pytest.raises(ValueError, match=r"sft_query: row 0 \(episode_id job-a-e0\): token ids must be in"):
         load_examples(_spec(sft_query="SELECT * FROM trajectories"), tmp_path, tok, vocab_size=300)
+
+
+# -- a tenant's job: own rows, own files ---------------------------------------------
+
+ALICE = Tenant(user="alice", admin=False, own_jobs=frozenset({"job-a"}))
+
+
+def test_a_tenants_query_sees_only_their_own_jobs(tmp_path, tok):
+    write_log(tmp_path / "data", "job-a", [1.0, 1.0])
+    write_log(tmp_path / "data", "job-b", [1.0])
+    every = _spec(sft_query="SELECT * FROM trajectories")
+    assert len(load_examples(every, tmp_path, tok, tenant=ALICE)) == 2
+    assert len(load_examples(every, tmp_path, tok)) == 3  # the operator's own call: every job
+    theirs = _spec(sft_query="SELECT * FROM trajectories WHERE job_id = 'job-b'")
+    with pytest.raises(ValueError, match="sft_query: the query returned no rows"):
+        load_examples(theirs, tmp_path, tok, tenant=ALICE)
+    with pytest.raises(ValueError, match="sft_query: must be exactly one SELECT"):
+        load_examples(_spec(sft_query="COPY trajectories TO 'x.csv'"), tmp_path, tok, tenant=ALICE)
+
+
+def test_a_tenants_sft_data_lies_in_their_area(tmp_path, tok):
+    from opentinker.schemas.job import SpecError
+    from opentinker.services.core.access import user_area
+
+    area = user_area(tmp_path, "alice")
+    area.mkdir(parents=True)
+    rows = [{"prompt": "What is 2 + 2?", "completion": "4"}]
+    _jsonl(area / "d.jsonl", rows)
+    # a relative path starts in the area
+    got = load_examples(_spec(sft_data="d.jsonl"), tmp_path, tok, tenant=ALICE)
+    assert got == load_examples(_spec(sft_data=str(area / "d.jsonl")), tmp_path, tok)
+    outside = _jsonl(tmp_path / "elsewhere.jsonl", rows)
+    for path in (outside, "/etc/passwd", "../bob/d.jsonl"):
+        with pytest.raises(SpecError) as e:
+            load_examples(_spec(sft_data=path), tmp_path, tok, tenant=ALICE)
+        assert e.value.field == "sft_data" and str(e.value).startswith("invalid job spec: `sft_data`:")
+    admin = Tenant(user="root", admin=True)
+    assert load_examples(_spec(sft_data=outside), tmp_path, tok, tenant=admin) == got
 
 
 # -- sampling and batching --------------------------------------------------------

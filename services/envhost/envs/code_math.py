@@ -26,6 +26,9 @@ from opentinker.services.envhost.envs.arith import split_of
 
 SOURCES = ("gsm8k", "arith")
 TOOL_NAME = "python"
+# a tenant's env_args never size one sandboxed run (or an episode's runs) beyond these
+MAX_MEMORY_MB = 8192
+MAX_TOOL_CALLS = 1024
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # A fence with no language, or python/py; its body runs up to the closing fence.
@@ -113,9 +116,9 @@ class CodeMathGame(AbstractGame):
       data_dir:       GSM8K Parquet folder (default <OPENTINKER_HOME>/data/gsm8k)
       split:          if set, every episode uses this split, whatever the request's
       digits:         arith only: digits of each factor, 1..9 (default 3)
-      max_tool_calls: code runs allowed per episode, >= 0 (default 4)
+      max_tool_calls: code runs allowed per episode, 0..1024 (default 4)
       timeout_s:      wall clock of one run, seconds, (0, 60] (default 5)
-      memory_mb:      address space of one run, MiB, >= 64 (default 512)
+      memory_mb:      address space of one run, MiB, 64..8192 (default 512)
 
     Raises ValueError naming the env_arg for a bad value.
     """
@@ -134,13 +137,14 @@ class CodeMathGame(AbstractGame):
             raise ValueError(f"env_args.split: {split!r} is not one of {gsm8k.SPLITS}")
         if not _is_int(digits) or not 1 <= digits <= 9:
             raise ValueError(f"env_args.digits: must be an integer in 1..9, got {digits!r}")
-        if not _is_int(max_tool_calls) or max_tool_calls < 0:
-            raise ValueError(f"env_args.max_tool_calls: must be an integer >= 0, got {max_tool_calls!r}")
+        if not _is_int(max_tool_calls) or not 0 <= max_tool_calls <= MAX_TOOL_CALLS:
+            raise ValueError(f"env_args.max_tool_calls: must be an integer in 0..{MAX_TOOL_CALLS}, "
+                             f"got {max_tool_calls!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
                 or not 0 < timeout_s <= 60:
             raise ValueError(f"env_args.timeout_s: must be a number in (0, 60], got {timeout_s!r}")
-        if not _is_int(memory_mb) or memory_mb < 64:
-            raise ValueError(f"env_args.memory_mb: must be an integer >= 64, got {memory_mb!r}")
+        if not _is_int(memory_mb) or not 64 <= memory_mb <= MAX_MEMORY_MB:
+            raise ValueError(f"env_args.memory_mb: must be an integer in 64..{MAX_MEMORY_MB}, got {memory_mb!r}")
         self.source, self.split, self.digits = source, split, digits
         self.data_dir = Path(data_dir) if data_dir else gsm8k.default_data_dir()
         self.max_tool_calls = max_tool_calls

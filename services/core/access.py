@@ -1,0 +1,189 @@
+"""What a tenant's job may name: files, models and rows of the trajectory log.
+
+A tenant (a user with a valid API key) puts paths (`model`, `sft_data`) and SQL
+(`sft_query`) in a job spec, and the services act on them with their own rights on the
+service machines. The rules here confine that:
+- files: the tenant's area `<home>/users/<user>/` (where an operator puts a tenant's
+  datasets and models; a relative path is taken from there) and the checkpoint folders
+  `<home>/checkpoints/<job>/` of the tenant's own jobs; symlinks and `..` are resolved
+  before the check;
+- models: the embedded default, a Hugging Face hub id `org/name`, such a file, or a
+  folder under `<home>/models/` (the operator's shared models, where the embedded
+  default is converted; readable by every tenant, never a place for data);
+- the log: the rows of the tenant's own jobs (logdb.run_user_query with `log_jobs`).
+An admin (User.role "admin" in KV `ot_users`), and an operator running a job with no
+scheduler record, may name anything.
+
+The scheduler checks a spec when it is submitted (check_spec_paths); the learner checks
+it again when the job starts, against the owner in the job's record (`ot_jobs`), so a
+spec that reached the learner some other way gets the same rules.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from opentinker.schemas import JobRecord, JobSpec, decode
+from opentinker.schemas import subjects as S
+from opentinker.schemas.job import JOB_ID_RE, SpecError
+from opentinker.schemas.users import User
+from opentinker.services.core.models import DEFAULT_MODEL
+
+# the scheduler's user-name rule (services/scheduler/users.py USER_RE): a name becomes a
+# folder name here
+USER_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# `org/name` on the Hugging Face hub; a token never starts with "." so it is never "." or ".."
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# model names resolve_model knows without a path or the hub
+KNOWN_MODELS = frozenset({DEFAULT_MODEL})
+
+
+def user_area(home: str | Path, user: str) -> Path:
+    """`<home>/users/<user>/`: the one folder whose files a tenant's spec may name.
+
+    Raises ValueError naming `user` when it is not a valid user name (it becomes a
+    folder name)."""
+    if not USER_RE.match(user):
+        raise ValueError(f"user: {user!r} must match {USER_RE.pattern}")
+    return Path(home) / "users" / user
+
+
+def _allowed(home: str | Path, user: str, own_jobs: Iterable[str]) -> list[Path]:
+    roots = [user_area(home, user)]
+    roots += [Path(home) / "checkpoints" / j for j in sorted(own_jobs) if JOB_ID_RE.match(j)]
+    return [Path(os.path.realpath(r)) for r in roots]
+
+
+def confine_path(path: str, *, field: str, user: str, admin: bool, home: str | Path,
+                 own_jobs: Iterable[str]) -> Path:
+    """The file or folder `path` names, if `user` may name it.
+
+    An admin may name any path (`~` expanded, returned as given otherwise). For anyone
+    else a relative path is taken from user_area(home, user), and the real path (`~`
+    expanded, symlinks and `..` resolved; the file need not exist yet) must lie inside
+    that area or inside `<home>/checkpoints/<job>/` of one of `own_jobs`; the real path
+    is returned, so what is used later is what was checked.
+
+    Raises SpecError(field, ...) naming the allowed places otherwise (never the target
+    of a symlink or anything read from a file); ValueError for an invalid user name.
+    """
+    if admin:
+        return Path(path).expanduser()
+    area = user_area(home, user)
+    p = Path(path).expanduser()
+    real = Path(os.path.realpath(p if p.is_absolute() else area / p))
+    if any(real.is_relative_to(root) for root in _allowed(home, user, own_jobs)):
+        return real
+    raise SpecError(field, f"{path!r} is outside the places a job of {user!r} may name files: "
+                           f"{area}/ (relative paths start there) and {Path(home) / 'checkpoints'}"
+                           "/<job>/ of the user's own jobs")
+
+
+def check_model_ref(model: str, *, user: str, admin: bool, home: str | Path,
+                    own_jobs: Iterable[str]) -> str:
+    """`model` as the learner should load it: a known name (the embedded default) or a
+    Hugging Face hub id `org/name` unchanged, anything else as a path confined by
+    confine_path (field "model"; the real path is returned, admin: `~` expanded).
+
+    A hub id that also names a folder relative to this process's working directory is
+    taken as a path (from_pretrained would load that folder, not the hub's model).
+    Raises SpecError("model", ...) for a path the user may not name.
+    """
+    if model in KNOWN_MODELS:
+        return model
+    if HUB_ID_RE.match(model) and ".." not in model and (admin or not os.path.exists(model)):
+        return model
+    shared = Path(os.path.realpath(Path(home) / "models"))
+    real = Path(os.path.realpath(Path(model).expanduser()))
+    if not admin and Path(model).expanduser().is_absolute() and real.is_relative_to(shared) and real != shared:
+        return str(real)  # the operator's shared models (module docstring)
+    return str(confine_path(model, field="model", user=user, admin=admin, home=home, own_jobs=own_jobs))
+
+
+def check_spec_paths(spec: JobSpec, *, user: str, admin: bool, home: str | Path,
+                     own_jobs: Iterable[str]) -> None:
+    """Check that `user` may name the spec's `model` and `sft_data` (when set); the
+    scheduler calls this when a job is submitted, with the submitter's name, role
+    (`admin`), `home` and the ids of the submitter's jobs (`own_jobs`, see jobs_of).
+
+    Raises SpecError naming the field ("model" or "sft_data") and the allowed places.
+    """
+    check_model_ref(spec.model, user=user, admin=admin, home=home, own_jobs=own_jobs)
+    if spec.sft_data:
+        confine_path(spec.sft_data, field="sft_data", user=user, admin=admin, home=home, own_jobs=own_jobs)
+
+
+# -- who owns a job (over the bus) ----------------------------------------------
+
+async def jobs_of(bus: Any, user: str) -> set[str]:
+    """The ids of every job of `user` in KV `ot_jobs` (records that do not decode are
+    skipped). `bus`: a services.core.bus.Bus."""
+    out = set()
+    for value, _ in (await bus.kv_values(S.KV_JOBS)).values():
+        try:
+            rec = decode(value, JobRecord)
+        except msgspec.MsgspecError:
+            continue
+        if rec.user == user:
+            out.add(rec.job_id)
+    return out
+
+
+async def is_admin(bus: Any, user: str) -> bool:
+    """Whether `user` is an enabled admin in KV `ot_users` (False for a missing or
+    unreadable record). `bus`: a services.core.bus.Bus."""
+    from nats.js.errors import KeyNotFoundError
+
+    if not USER_RE.match(user):
+        return False
+    try:
+        entry = await (await bus.kv(S.KV_USERS)).get(user)
+    except KeyNotFoundError:
+        return False
+    try:
+        rec = decode(entry.value, User) if entry.value else None
+    except msgspec.MsgspecError:
+        return False
+    return rec is not None and rec.role == "admin" and not rec.disabled
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Whose job this is, for the rules above. `user` "" with `admin` True: an operator's
+    job with no scheduler record."""
+
+    user: str
+    admin: bool
+    own_jobs: frozenset[str] = frozenset()
+
+    @property
+    def log_jobs(self) -> frozenset[str] | None:
+        """The jobs whose log rows this tenant's SQL may read; None: every job."""
+        return None if self.admin else self.own_jobs
+
+    def rules(self, home: str | Path) -> dict[str, Any]:
+        """The keyword arguments of confine_path, check_model_ref, check_spec_paths."""
+        return {"user": self.user, "admin": self.admin, "home": home, "own_jobs": self.own_jobs}
+
+
+async def tenant_of_job(bus: Any, job_id: str) -> Tenant:
+    """The owner of `job_id` from its record in KV `ot_jobs`: an admin, or a user with
+    the ids of their jobs. A job with no record, or a record with no user (run without
+    a scheduler, by an operator), counts as an admin's.
+
+    Raises msgspec.MsgspecError for an unreadable record (the job must not run on a
+    guess)."""
+    got = await bus.job_record(job_id)
+    if got is None or not got[0].user:
+        return Tenant(user="", admin=True)
+    user = got[0].user
+    if await is_admin(bus, user):
+        return Tenant(user=user, admin=True)
+    return Tenant(user=user, admin=False, own_jobs=frozenset(await jobs_of(bus, user)))

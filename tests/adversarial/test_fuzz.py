@@ -1,0 +1,308 @@
+"""A fuzz run against the running stack (tests/tenants.py): 10,000 malformed, oversized
+and boundary-valued messages, made by a property-based generator (hypothesis), sent
+while a job trains:
+
+- 1,000 as a tenant (bob's API key) on every subject a tenant might try: the services'
+  command subjects, job subjects (his own and alice's), KV and JetStream API subjects,
+  environment subjects. A tenant may publish nothing, so each must be refused by
+  nats-server (one "Permissions Violation" each).
+- 9,000 as a service (the service nkey: a buggy or compromised service) on every subject
+  a service consumes: job commands, learner assignments, job events, rollout requests,
+  trajectories, weight events, metrics, environment RPC and the auth callout (whose
+  subject nats-server itself refuses to every client). Each must be refused (a publish
+  error, an error reply) or dead-lettered by a consumer with the reason; none may crash
+  a service or touch the job that trains meanwhile.
+
+Every message carries a header `Ot-Fuzz: <n>`; dead letters keep the original headers,
+so the accounting is per message. The counts are printed (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from opentinker.schemas import (
+    CancelJob, CancelReply, EnvCloseRequest, EnvInitReply, EnvInitRequest, EnvResetReply, EnvResetRequest,
+    EnvStepReply, EnvStepRequest, JobAssigned, JobSpec, JobState, JobStateChanged, Metrics, RolloutRequest,
+    SubmitJob, SubmitReply, Trajectory, TurnRecord, WeightsPublished, decode,
+)
+from opentinker.schemas import subjects as S
+from opentinker.services.core.natsauth import CALLOUT_SUBJECT
+
+from tenants import dead_letters, user_connection
+
+pytestmark = pytest.mark.timeout(1200)
+
+FUZZ_HEADER = "Ot-Fuzz"
+N_USER = 1_000
+JOBS = [f"fz-{i}" for i in range(4)]
+LEARNER, ROLLOUT = "adv-l2", "adv-r1"
+
+# -- what a valid message of each kind looks like (the fuzzer breaks these); their job id
+# is none of the subjects' (a well-formed variant must still be refused for that) -------
+
+SPEC = JobSpec(steps=1)
+TRAJ = Trajectory(job_id="fz-template", request_id="fz-template-s0-g0", episode_id="fz-template-s0-g0-e0", step=0, group_index=0,
+                  group_size=2, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -2.0],
+                  prompt_len=1, turns=[TurnRecord(gen_start=1, gen_end=3, obs_end=3)], reward=1.0,
+                  policy_version=0)
+TEMPLATES: dict[str, msgspec.Struct] = {
+    "submit": SubmitJob(spec=SPEC, api_key="otk-fuzz-" + "x" * 40),
+    "cancel": CancelJob(job_id="fz-template", api_key="otk-fuzz-" + "x" * 40),
+    "assign": JobAssigned(job_id="fz-template", spec=SPEC, attempt=1, rollout_workers=[ROLLOUT]),
+    "events": JobStateChanged(job_id="fz-template", state=JobState.RUNNING, step=1, attempt=1, source="learner"),
+    "rollout": RolloutRequest(job_id="fz-template", request_id="fz-template-s0-g0", step=0, group_index=0, group_seed=1,
+                              policy_version=0, model="smollm2-135m-instruct", env="arith", attempt=1),
+    "traj": TRAJ,
+    "weights": WeightsPublished(job_id="fz-template", policy_version=1, kind="lora", uri="nats-os://ot_weights/x",
+                                sha256="0" * 64, size_bytes=1),
+    "metrics": Metrics(job_id="fz-template", step=0, policy_version=1, values={"reward_mean": 1.0}),
+    "env_init": EnvInitRequest(env="arith", seed=1),
+    "env_reset": EnvResetRequest(env="arith", episode_id="fz-e", job_id="fz-template"),
+    "env_step": EnvStepRequest(episode_id="fz-nope", action="1", job_id="fz-template"),
+    "env_close": EnvCloseRequest(episode_id="fz-nope", job_id="fz-template"),
+    "callout": None,
+}
+REPLY_TYPES = {"submit": SubmitReply, "cancel": CancelReply, "env_init": EnvInitReply,
+               "env_reset": EnvResetReply, "env_step": EnvStepReply, "env_close": EnvStepReply}
+# messages per kind sent as a service (9,000 in all)
+COUNTS = {"submit": 700, "cancel": 700, "assign": 700, "events": 1000, "rollout": 1000, "traj": 1300,
+          "weights": 800, "metrics": 1000, "env_init": 400, "env_reset": 400, "env_step": 400,
+          "env_close": 400, "callout": 200}
+assert sum(COUNTS.values()) == 9_000
+
+EDGE_INTS = [-1, -(2**31), -(2**63), 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
+                    st.sampled_from(EDGE_INTS), st.floats(allow_nan=True, allow_infinity=True),
+                    st.text(max_size=40), st.binary(max_size=40))
+junk = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=6), st.dictionaries(st.text(max_size=8), c,
+                                                                                              max_size=6)),
+                    max_leaves=24)
+
+
+def _int_paths(obj: Any, path: tuple = ()) -> list[tuple]:
+    """Paths (keys/indices) to every int (not bool) inside `obj` (a to_builtins tree)."""
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, int):
+        return [path]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _int_paths(v, (*path, k))]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in _int_paths(v, (*path, i))]
+    return []
+
+
+def _set(obj: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    obj = dict(obj) if isinstance(obj, dict) else list(obj)
+    obj[path[0]] = _set(obj[path[0]], path[1:], value)
+    return obj
+
+
+@st.composite
+def bad_payload(draw, kind: str) -> bytes:
+    """One malformed, boundary-valued or mismatched payload for a message of `kind`."""
+    template = TEMPLATES[kind]
+    if template is None:  # the auth callout: anything but a sealed authorization request
+        return draw(st.one_of(st.binary(max_size=2000), junk.map(msgspec.msgpack.encode)))
+    base = msgspec.to_builtins(template)
+    # each variant's share: oversized ones are 1 in 21 (they are costly to send)
+    how = draw(st.sampled_from(["bytes"] * 3 + ["junk"] * 3 + ["wrong_type"] * 4 + ["edge_int"] * 4
+                               + ["missing"] * 3 + ["mismatch"] * 3 + ["huge"]))
+    if how == "bytes":
+        return draw(st.binary(min_size=0, max_size=4000))
+    if how == "junk":
+        value = draw(junk)
+        if isinstance(value, dict) and set(value) >= set(base):
+            value = [value]  # never a whole valid message by chance
+        return msgspec.msgpack.encode(value)
+    if how == "edge_int" and _int_paths(base):
+        path = draw(st.sampled_from(_int_paths(base)))
+        edge = draw(st.sampled_from([-1, -(2**63), 2**53 + 1, 2**63, 2**64 - 1]))
+        return msgspec.msgpack.encode(_set(base, path, edge))
+    if how == "missing":
+        required = [f.name for f in msgspec.structs.fields(type(template)) if f.required]
+        if required:
+            field = draw(st.sampled_from(required))
+            return msgspec.msgpack.encode({k: v for k, v in base.items() if k != field})
+    if how == "mismatch" and "job_id" in base and kind not in ("submit", "cancel", "env_init", "env_reset",
+                                                                 "env_step", "env_close"):
+        # well formed, but naming a job its subject does not
+        return msgspec.msgpack.encode({**base, "job_id": draw(st.sampled_from(["fz-other", "alice-x", "a"]))})
+    if how == "huge":
+        # a 100,000-element array of uint64s (about 900 KB): over the command, event,
+        # metrics and weights streams' limits, within the trajectory and rollout ones
+        field = draw(st.sampled_from(sorted(base)))
+        return msgspec.msgpack.encode({**base, field: [2**64 - 1] * 100_000})
+    # wrong_type (and the fallbacks): a field of the wrong type
+    field = draw(st.sampled_from(sorted(base)))
+    value = base[field]
+    wrong = draw(st.one_of(st.just([value]), st.just({"x": value}), st.integers(-5, 5).filter(
+        lambda v: not isinstance(value, int) or isinstance(value, bool)), st.just("not-a-" + type(value).__name__)
+        if not isinstance(value, str) else st.just(7)))
+    return msgspec.msgpack.encode({**base, field: wrong})
+
+
+def draw_all(strategy, n: int) -> list:
+    """`n` examples of `strategy`, generated by hypothesis (seeded: the run repeats)."""
+    out: list = []
+
+    @settings(max_examples=n, database=None, deadline=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(x) -> None:
+        out.append(x)
+
+    collect()
+    assert len(out) >= n // 2, (len(out), n)
+    return [out[i % len(out)] for i in range(n)]
+
+
+def subject_of(kind: str, i: int, host_id: str) -> str:
+    job = JOBS[i % len(JOBS)]
+    return {"submit": S.SUBMIT, "cancel": S.CANCEL, "assign": S.assign_learner(LEARNER),
+            "events": S.job(job, "events"), "rollout": S.rollout(job, ROLLOUT), "traj": S.job(job, "traj"),
+            "weights": S.job(job, "weights"), "metrics": S.job(job, "metrics"),
+            "env_init": S.env_init("arith"), "env_reset": S.env_reset("arith"), "env_step": S.env_step(host_id),
+            "env_close": S.env_close(host_id), "callout": CALLOUT_SUBJECT}[kind]
+
+
+async def test_ten_thousand_bad_messages_crash_nothing_and_are_each_refused_or_dead_lettered(world):
+    svc = world.service
+    # the job that trains while the fuzzer runs (alice's first job may be over by now)
+    job = await world.alice.submit({"name": "alice-fuzzed", "model": world.tiny_model, "env": "arith",
+                                    "engine": "hf", "steps": 6, "prompts_per_step": 2, "group_size": 2,
+                                    "lora_rank": 4, "checkpoint_every": 3, "micro_batch_size": 4,
+                                    "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
+    host = await svc.request(S.env_reset("arith"), EnvResetRequest(env="arith", episode_id="fz-probe",
+                                                                   job_id="fz-template", state={"a": 1, "b": 1}),
+                             EnvResetReply)
+    assert host.host_id and not host.error
+    t_gen = time.monotonic()
+    user_msgs = draw_all(st.tuples(st.sampled_from([
+        S.SUBMIT, S.CANCEL, S.job("fz-bob", "events"), S.rollout(world.a_job, ROLLOUT), S.job(world.a_job, "traj"),
+        "$KV.ot_users.bob", "$JS.API.STREAM.LIST", S.env_reset("arith"), S.assign_learner(LEARNER),
+        CALLOUT_SUBJECT, "ot.dlq.scheduler"]), st.one_of(*(bad_payload(k) for k in TEMPLATES))), N_USER)
+    service_msgs = [(kind, payload) for kind, n in COUNTS.items() for payload in draw_all(bad_payload(kind), n)]
+    # and past the server's max_payload (8 MB): refused before it leaves the client
+    big = b"\x92" + b"\xff" * (8 * 1024 * 1024 + 1)
+    for j in range(0, len(service_msgs), len(service_msgs) // 26):
+        service_msgs[j] = (service_msgs[j][0], big)
+    gen_s = time.monotonic() - t_gen
+
+    # -- as a tenant: every publish refused by nats-server
+    nc, errors = await user_connection(world.server.url, world.bob_key)
+    for subject, payload in user_msgs:
+        if len(payload) > nc.max_payload:
+            payload = payload[:1024]
+        await nc.publish(subject, payload)
+    await nc.flush()
+    for _ in range(100):
+        if len(errors) >= N_USER:
+            break
+        await asyncio.sleep(0.1)
+    user_refused = sum("permissions violation for publish" in e.lower() for e in errors)
+    await nc.close()
+
+    # -- as a service: every message refused at publish, answered with an error, or
+    # dead-lettered by the service that consumed it
+    since = time.time()
+    outcome: dict[int, str] = {}
+    replies: dict[int, bytes] = {}
+    inbox = svc.nc.new_inbox()
+
+    async def on_reply(m) -> None:
+        replies[int(m.subject.rsplit(".", 1)[1])] = m.data
+
+    reply_sub = await svc.nc.subscribe(f"{inbox}.*", cb=on_reply)
+    # nats-server lets no client publish on the auth callout's subject, not even a
+    # service: those publishes go on a connection of their own, to count its refusals
+    callout_errors: list[str] = []
+
+    async def on_callout_error(e) -> None:
+        callout_errors.append(str(e))
+
+    callout_nc = await nats.connect(world.server.url, nkeys_seed=str(world.server.service_seed_file),
+                                    error_cb=on_callout_error, allow_reconnect=False)
+    kinds: dict[int, str] = {}
+    t0 = time.monotonic()
+    for n, (kind, payload) in enumerate(service_msgs):
+        kinds[n] = kind
+        subject = subject_of(kind, n, host.host_id)
+        headers = {FUZZ_HEADER: str(n)}
+        try:
+            if kind == "callout":
+                await callout_nc.publish(subject, payload, reply=f"{inbox}.{n}", headers=headers)
+            elif kind in REPLY_TYPES:
+                await svc.nc.publish(subject, payload, reply=f"{inbox}.{n}", headers=headers)
+            else:
+                await svc.js.publish(subject, payload, headers=headers, timeout=10)
+        except nats.errors.MaxPayloadError:
+            outcome[n] = "refused: over max_payload"
+        except nats.js.errors.APIError as e:
+            outcome[n] = f"refused: {e.description}"
+    await svc.nc.flush()
+    await callout_nc.flush()
+    publish_s = time.monotonic() - t0
+    sent_to_callout = [n for n, k in kinds.items() if k == "callout" and n not in outcome]
+    for _ in range(50):
+        if len(callout_errors) >= len(sent_to_callout):
+            break
+        await asyncio.sleep(0.1)
+    await callout_nc.close()
+    if sum(f'publish to "{CALLOUT_SUBJECT.lower()}"' in e.lower() for e in callout_errors) == len(sent_to_callout):
+        outcome.update({n: "refused: by nats-server (the callout subject)" for n in sent_to_callout})
+
+    def settled(letters) -> bool:
+        lettered = {int(d.headers.get(FUZZ_HEADER, -1)) for d in letters}
+        return all(n in outcome or n in replies or n in lettered for n in kinds)
+
+    letters = await dead_letters(svc, "*", since, settled, timeout_s=300)
+    await reply_sub.unsubscribe()
+    lettered: dict[int, set[str]] = {}
+    for d in letters:
+        if FUZZ_HEADER in d.headers:
+            lettered.setdefault(int(d.headers[FUZZ_HEADER]), set()).add(d.service)
+    accepted = []  # a reply that did not refuse: a bad message taken as good
+    for n, data in replies.items():
+        kind = kinds[n]
+        try:
+            reply = decode(data, REPLY_TYPES[kind])
+        except (msgspec.MsgspecError, KeyError):
+            accepted.append((n, kind, data[:200]))
+            continue
+        if getattr(reply, "ok", False) or (hasattr(reply, "error") and not reply.error and kind != "env_close"):
+            accepted.append((n, kind, reply))
+        outcome.setdefault(n, "refused: error reply")
+    for n in lettered:
+        outcome.setdefault(n, "dead-lettered")
+    unaccounted = [(n, kinds[n], service_msgs[n][1][:80]) for n in kinds if n not in outcome]
+    by_kind = Counter((kinds[n], outcome[n].split(":")[0]) for n in outcome)
+    print(f"\nfuzz: generated {N_USER + len(service_msgs)} messages in {gen_s:.1f} s; as a tenant "
+          f"{N_USER} sent, {user_refused} refused by nats-server; as a service {len(service_msgs)} sent in "
+          f"{publish_s:.1f} s: {sum(o == 'dead-lettered' for o in outcome.values())} dead-lettered, "
+          f"{sum(o.startswith('refused') for o in outcome.values())} refused "
+          f"({sum(o == 'refused: error reply' for o in outcome.values())} by an error reply); "
+          f"unaccounted {len(unaccounted)}; accepted {len(accepted)}")
+    print("by kind:", dict(sorted(by_kind.items())))
+
+    assert user_refused == N_USER, errors[:5]
+    assert not accepted, accepted[:5]
+    assert not unaccounted, unaccounted[:5]
+    # nothing crashed, and the job that trained meanwhile completed, every step reported
+    rec = await job.wait(timeout_s=600, raise_on_failure=False)
+    assert rec.state == JobState.COMPLETED, (rec.reason, world.services.logs())
+    steps = sorted(m.step for m in await svc.read_subject(S.job(job.id, "metrics"), Metrics) if m.split == "train")
+    assert steps == list(range(6)), steps
+    assert all(code is None for code in world.alive().values()), (world.alive(), world.services.logs())

@@ -1,0 +1,141 @@
+"""Every number and size of a job spec is bounded: a spec a tenant could use to make a
+service allocate without limit is refused at submit, naming the field and the range."""
+
+import math
+
+import msgspec
+import pytest
+
+from opentinker.schemas.job import SpecError, spec_from_dict, validate_job_spec
+
+# (field, highest accepted, lowest refused above it); dotted = a sampling field
+UPPER = [
+    ("steps", 1_000_000, 1_000_001),
+    ("prompts_per_step", 1024, 1025),
+    ("group_size", 256, 257),
+    ("max_staleness", 16, 17),
+    ("lora_rank", 512, 513),
+    ("lora_alpha", 4096, 4097),
+    ("micro_batch_size", 4096, 4097),
+    ("eval_episodes", 10_000, 10_001),
+    ("eval_every", 1_000_000, 1_000_001),
+    ("checkpoint_every", 1_000_000, 1_000_001),
+    ("sft_batch_size", 4096, 4097),
+    ("rollout_workers", 64, 65),
+    ("seed", 2**63 - 1, 2**63),
+    ("kl_coef", 100.0, 100.5),
+    ("weight_decay", 1.0, 1.5),
+    ("max_grad_norm", 1e6, 2e6),
+    ("eval_temperature", 10.0, 10.5),
+    ("rollout_timeout_s", 86_400.0, 86_401.0),
+    ("sampling.max_new_tokens", 32_768, 32_769),
+    ("sampling.max_total_tokens", 131_072, 131_073),
+    ("sampling.max_turns", 1024, 1025),
+    ("sampling.temperature", 10.0, 10.5),
+]
+
+# fields whose lower end is new (or newly open)
+LOWER = [
+    ("seed", 0, -1),
+    ("weight_decay", 0.0, -0.1),
+    ("max_grad_norm", 1e-6, 0.0),
+    ("rollout_timeout_s", 0.1, 0.0),
+    ("lora_alpha", 1, 0),
+]
+
+FLOATS = ["lr", "weight_decay", "max_grad_norm", "kl_coef", "clip_range", "turn_discount",
+          "eval_temperature", "rollout_timeout_s", "sampling.temperature", "sampling.top_p"]
+
+
+def spec(field: str, value, **extra) -> dict:
+    """A spec dict with `field` (dotted for sampling) set to `value`."""
+    data: dict = dict(extra)
+    if field.startswith("sampling."):
+        data.setdefault("sampling", {})[field.split(".", 1)[1]] = value
+        if field == "sampling.max_new_tokens":
+            data["sampling"]["max_total_tokens"] = 131_072
+    else:
+        data[field] = value
+    return data
+
+
+def refused(data: dict, kind: str = "train") -> SpecError:
+    with pytest.raises(SpecError) as e:
+        spec_from_dict(data, kind)
+    return e.value
+
+
+@pytest.mark.parametrize(("field", "ok", "bad"), UPPER)
+def test_every_number_has_an_upper_bound(field, ok, bad):
+    spec_from_dict(spec(field, ok))
+    e = refused(spec(field, bad))
+    assert e.field == field
+    assert "must be in" in e.reason and str(bad) in e.reason
+
+
+@pytest.mark.parametrize(("field", "ok", "bad"), LOWER)
+def test_lower_bounds(field, ok, bad):
+    spec_from_dict(spec(field, ok))
+    assert refused(spec(field, bad)).field == field
+
+
+@pytest.mark.parametrize("field", FLOATS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nan_and_inf_are_refused(field, value):
+    e = refused(spec(field, value))
+    assert e.field == field and "finite" in e.reason
+
+
+def test_string_and_list_sizes():
+    spec_from_dict({"name": "n" * 200, "model": "m" * 1024, "lora_target_modules": ["x" * 100] * 64})
+    assert refused({"name": "n" * 201}).field == "name"
+    assert refused({"model": "m" * 1025}).field == "model"
+    assert refused({"lora_target_modules": ["q_proj"] * 65}).field == "lora_target_modules"
+    assert refused({"lora_target_modules": ["x" * 101]}).field == "lora_target_modules"
+    sft = {"algorithm": "sft"}
+    spec_from_dict({**sft, "sft_data": "d" * 1024})
+    assert refused({**sft, "sft_data": "d" * 1025}).field == "sft_data"
+    spec_from_dict({**sft, "sft_query": "s" * 65_536})
+    e = refused({**sft, "sft_query": "s" * 65_537})
+    assert e.field == "sft_query" and "65536" in e.reason
+
+
+def test_env_args_are_bounded_encoded():
+    blob = "a" * 65_000  # msgpack str header: 5 bytes; key and map header: a few more
+    spec_from_dict({"env_args": {"k": blob}})
+    e = refused({"env_args": {"k": blob, "k2": "b" * 1000}})
+    assert e.field == "env_args" and "65536" in e.reason
+
+
+def test_max_total_tokens_still_exceeds_max_new_tokens():
+    assert refused({"sampling": {"max_new_tokens": 64, "max_total_tokens": 64}}).field == "sampling.max_total_tokens"
+
+
+def test_top_p_below_one_is_refused_for_training_only():
+    e = refused({"sampling": {"top_p": 0.9}})
+    assert e.field == "sampling.top_p" and "nucleus" in e.reason
+    assert refused({"sampling": {"top_p": 0.9}}, "train").field == "sampling.top_p"
+    assert spec_from_dict({"sampling": {"top_p": 0.9}}, "inference").sampling.top_p == 0.9
+    # an SFT job does not sample: its top_p is never used for a loss
+    spec_from_dict({"algorithm": "sft", "sft_data": "d.jsonl", "sampling": {"top_p": 0.9}})
+    # (0, 1] for everyone
+    assert refused({"sampling": {"top_p": 0}}, "inference").field == "sampling.top_p"
+    assert refused({"sampling": {"top_p": 1.5}}, "inference").field == "sampling.top_p"
+    with pytest.raises(ValueError, match="kind"):
+        spec_from_dict({}, "serve")
+
+
+def test_validate_job_spec_takes_the_kind():
+    s = msgspec.convert({"sampling": {"top_p": 0.5}}, type(spec_from_dict({})))
+    assert validate_job_spec(s, "inference") is s
+    with pytest.raises(SpecError):
+        validate_job_spec(s)
+
+
+def test_the_defaults_and_examples_pass():
+    import tomllib
+    from pathlib import Path
+
+    spec_from_dict({})
+    for f in sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml")):
+        spec_from_dict(tomllib.loads(f.read_text()))
