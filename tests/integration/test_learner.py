@@ -18,6 +18,7 @@ import pytest_asyncio
 from conftest import delete_consumers, place_job
 import torch
 from nats.js.api import DeliverPolicy
+from nats.js.errors import ObjectNotFoundError
 from safetensors.torch import load as load_safetensors
 
 from opentinker.schemas import (
@@ -388,7 +389,13 @@ async def test_a_learner_that_missed_its_requeue_stops_before_overwriting_the_ne
                 await bus.publish(S.job(job_id, "traj"), fake.episode(req, k, req.policy_version))
             await m.ack()
         await drain(bus, weights_sub, WeightsPublished, weights)
-    ckpt = await bus.get_object(S.OBJ_CHECKPOINTS, f"{job_id}/latest")
+    ckpt = None
+    while ckpt is None:  # the step's checkpoint follows its weight event
+        assert time.monotonic() < deadline, services.logs()
+        try:
+            ckpt = await bus.get_object(S.OBJ_CHECKPOINTS, f"{job_id}/latest")
+        except ObjectNotFoundError:
+            await asyncio.sleep(0.2)
     # the scheduler requeues the job and places it elsewhere (attempt 2); this learner
     # never hears of it (no event), but keeps being answered
     await place_job(bus, job_id, spec, learner="another-learner", rollout=["fake"], attempt=2)
