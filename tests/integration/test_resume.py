@@ -84,5 +84,8 @@ async def test_a_learner_killed_between_checkpoints_loses_only_those_steps(servi
         assert [final[s].policy_version for s in range(STEPS)] == list(range(1, STEPS + 1))
         assert sum(m.values["dropped_stale"] for m in final.values()) == 0, \
             {s: m.values["dropped_stale"] for s, m in final.items()}
+        print(f"\nresume: attempts {rec.attempt}, learners {first} -> {second.placement.learner} -> "
+              f"{rec.placement.learner}; steps redone {sorted(redone)}; reward per step "
+              f"{[round(final[s].values['reward_mean'], 3) for s in range(STEPS)]}")
     finally:
         await client.close()
