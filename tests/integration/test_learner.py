@@ -86,6 +86,16 @@ async def drain(bus, sub, kind, into: list) -> None:
         await m.ack()
 
 
+async def answer_groups(bus, sub, fake) -> None:
+    """Answer each rollout request waiting on `sub` with a whole group from `fake`, at
+    the request's policy version."""
+    for m in await bus.fetch(sub, 8, 0.2):
+        req = decode(m.data, RolloutRequest)
+        for k in range(req.group_size):
+            await bus.publish(S.job(req.job_id, "traj"), fake.episode(req, k, req.policy_version))
+        await m.ack()
+
+
 @pytest.mark.timeout(180)
 async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
     spec = JobSpec(model=tiny_model, lora_rank=4, lora_alpha=8, steps=2, prompts_per_step=2,
@@ -383,11 +393,7 @@ async def test_a_learner_that_missed_its_requeue_stops_before_overwriting_the_ne
     deadline = time.monotonic() + 200
     while not weights:
         assert time.monotonic() < deadline, services.logs()
-        for m in await bus.fetch(rollout_sub, 8, 0.2):
-            req = decode(m.data, RolloutRequest)
-            for k in range(req.group_size):
-                await bus.publish(S.job(job_id, "traj"), fake.episode(req, k, req.policy_version))
-            await m.ack()
+        await answer_groups(bus, rollout_sub, fake)
         await drain(bus, weights_sub, WeightsPublished, weights)
     ckpt = None
     while ckpt is None:  # the step's checkpoint follows its weight event
@@ -401,11 +407,7 @@ async def test_a_learner_that_missed_its_requeue_stops_before_overwriting_the_ne
     await place_job(bus, job_id, spec, learner="another-learner", rollout=["fake"], attempt=2)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 15:
-        for m in await bus.fetch(rollout_sub, 8, 0.2):
-            req = decode(m.data, RolloutRequest)
-            for k in range(req.group_size):
-                await bus.publish(S.job(job_id, "traj"), fake.episode(req, k, req.policy_version))
-            await m.ack()
+        await answer_groups(bus, rollout_sub, fake)
         await drain(bus, weights_sub, WeightsPublished, weights)
     assert [w.policy_version for w in weights] == [1], [w.policy_version for w in weights]
     assert await bus.get_object(S.OBJ_CHECKPOINTS, f"{job_id}/latest") == ckpt
