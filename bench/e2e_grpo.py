@@ -131,7 +131,7 @@ async def _follow(stack_url: str, steps: int) -> dict:
 
 
 def run_opentinker(steps: int) -> dict:
-    from opentinker.sdk.stack import Stack
+    from opentinker.ops.stack import Stack
 
     t0 = time.perf_counter()
     with Stack(os.environ["OPENTINKER_HOME"]) as stack:

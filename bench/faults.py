@@ -112,7 +112,7 @@ async def run_job(home: Path, spec: dict, kill_at: dict[int, str] | None) -> dic
     from opentinker.schemas import JobState, Metrics
     from opentinker.schemas import subjects as S
     from opentinker.sdk import Client
-    from opentinker.sdk.stack import Stack
+    from opentinker.ops.stack import Stack
 
     stack = Stack(home, overrides={"recorder": ["recorder_flush_s=1.0"]}).start()
     sup = Supervisor(stack).start()

@@ -1,7 +1,21 @@
-"""Every message on the OpenTinker bus, as msgspec Structs (MessagePack on the wire).
+"""Every message on the OpenTinker bus, as msgspec Structs (MessagePack on the wire),
+and the environment API. Imports only msgspec and the standard library, so clients
+depend on it freely.
 
-One module per message family; subject and stream names live in `subjects`.
-Imports only msgspec and the standard library, so clients can depend on it freely.
+    base.py        the message base class and bounded integer types
+    codec.py       encode / typed decode
+    job.py         JobSpec, its bounds (msgspec Meta on the fields) and validation
+    control.py     submit / cancel, job records and state changes, assignments
+    rollout.py     RolloutRequest (one group) and Trajectory (one episode)
+    weights.py     weight events (a policy version and where its bytes are)
+    metrics.py     one record per training or evaluation step
+    env.py         envhost request/reply messages
+    game.py        the environment API users implement: AbstractGame, StepResult
+    stats.py       episode statistics, policy lag, derived seeds: each defined once
+    pool.py        workers and placements
+    users.py       users and API keys as stored
+    deadletter.py  what a service could not process, and why
+    subjects.py    every subject, stream, durable consumer, bucket and header name
 """
 
 from opentinker.schemas.base import SCHEMA_VERSION, Message

@@ -8,7 +8,7 @@ GTPO arXiv 2511.17052).
 
 import math
 import re
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -27,15 +27,36 @@ class SpecError(ValueError):
         self.reason = reason
 
 
+# the generation engine a job asks for ("auto": vLLM when it can run the model, else transformers)
+Engine = Literal["auto", "vllm", "hf"]
+
+
+def Bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
+            note: str = ""):
+    """`kind` limited to [lo, hi] (an end excluded when open), as msgspec.Meta: every
+    decode of a message with such a field (a spec, a rollout request) refuses a value
+    outside, NaN and infinities included, naming the field; `validate_job_spec` checks
+    the same bounds (RANGES is read off these fields) for a spec built in Python."""
+    bounds = {"gt" if lo_open else "ge": lo, "lt" if hi_open else "le": hi}
+    return Annotated[kind, msgspec.Meta(**bounds, description=note or None)]
+
+
+# Generous, finite bounds of every number of a spec: far above what a job of this
+# service needs, low enough that no spec makes a learner, rollout worker or env host
+# allocate without limit.
+MAX_GROUP_SIZE = 256
+GroupSize = Bounded(int, 2, MAX_GROUP_SIZE, note="GRPO normalizes within a group")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sampling for rollouts. `max_new_tokens` is per turn; `max_total_tokens` bounds a
     whole episode (prompt + every turn)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 32
-    max_total_tokens: int = 1024
-    max_turns: int = 1
+    temperature: Bounded(float, 0, 10) = 1.0
+    top_p: Bounded(float, 0, 1, lo_open=True) = 1.0
+    max_new_tokens: Bounded(int, 1, 32_768) = 32
+    max_total_tokens: Bounded(int, 2, 131_072) = 1024
+    max_turns: Bounded(int, 1, 1024) = 1
 
 
 class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -70,40 +91,40 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str = ""
     algorithm: Literal["grpo", "sft"] = "grpo"
     model: str = "smollm2-135m-instruct"
-    lora_rank: int = 8
-    lora_alpha: int = 16
+    lora_rank: Bounded(int, 0, 512, note="0 = full fine-tuning") = 8
+    lora_alpha: Bounded(int, 1, 4096) = 16
     lora_target_modules: list[str] = msgspec.field(default_factory=lambda: ["q_proj", "v_proj"])
     env: str = "arith"
     env_args: dict[str, Any] = msgspec.field(default_factory=dict)
-    prompts_per_step: int = 4
-    group_size: int = 8
-    steps: int = 20
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    kl_coef: float = 0.0
-    clip_range: float = 0.2
-    max_staleness: int = 0
-    micro_batch_size: int = 8
+    prompts_per_step: Bounded(int, 1, 1024) = 4
+    group_size: GroupSize = 8
+    steps: Bounded(int, 1, 1_000_000) = 20
+    lr: Bounded(float, 0, 1, lo_open=True, hi_open=True) = 5e-4
+    weight_decay: Bounded(float, 0, 1) = 0.0
+    max_grad_norm: Bounded(float, 0, 1e6, lo_open=True) = 1.0
+    kl_coef: Bounded(float, 0, 100) = 0.0
+    clip_range: Bounded(float, 0, 1, lo_open=True, hi_open=True) = 0.2
+    max_staleness: Bounded(int, 0, 16, note="0 = strictly on-policy") = 0
+    micro_batch_size: Bounded(int, 1, 4096) = 8
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    seed: int = 0
-    checkpoint_every: int = 10
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    zero_stage: int = 0
+    seed: Bounded(int, 0, 2**63 - 1) = 0
+    checkpoint_every: Bounded(int, 1, 1_000_000) = 10
+    engine: Engine = "auto"
+    zero_stage: Bounded(int, 0, 3) = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     advantage: Literal["episode", "turn"] = "episode"
-    turn_discount: float = 1.0
-    eval_every: int = 0
-    eval_episodes: int = 32
+    turn_discount: Bounded(float, 0, 1) = 1.0
+    eval_every: Bounded(int, 0, 1_000_000, note="0 = no evaluation") = 0
+    eval_episodes: Bounded(int, 1, 10_000) = 32
     eval_split: str = "test"
-    eval_temperature: float = 0.0
+    eval_temperature: Bounded(float, 0, 10, note="0 = greedy") = 0.0
     sft_data: str = ""
     sft_query: str = ""
-    sft_batch_size: int = 16
-    rollout_workers: int = 1
+    sft_batch_size: Bounded(int, 1, 4096) = 16
+    rollout_workers: Bounded(int, 1, 64) = 1
     # a group not complete this long after the learner asked is asked again (counting
     # toward the learner's attempt limit): a lost or refused request never hangs a job
-    rollout_timeout_s: float = 600.0
+    rollout_timeout_s: Bounded(float, 0, 86_400, lo_open=True) = 600.0
 
     @property
     def episodes_per_step(self) -> int:
@@ -140,38 +161,25 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-# Generous, finite bounds of every number of a spec (dotted: of `sampling`): far above
-# what a job of this service needs, low enough that no spec makes a learner, rollout
-# worker or env host allocate without limit.
-RANGES: dict[str, Range] = {
-    "lora_rank": Range(0, 512, note="0 = full fine-tuning"),
-    "lora_alpha": Range(1, 4096),
-    "prompts_per_step": Range(1, 1024),
-    "group_size": Range(2, 256, note="GRPO normalizes within a group"),
-    "steps": Range(1, 1_000_000),
-    "lr": Range(0, 1, lo_open=True, hi_open=True),
-    "weight_decay": Range(0, 1),
-    "max_grad_norm": Range(0, 1e6, lo_open=True),
-    "kl_coef": Range(0, 100),
-    "clip_range": Range(0, 1, lo_open=True, hi_open=True),
-    "max_staleness": Range(0, 16, note="0 = strictly on-policy"),
-    "micro_batch_size": Range(1, 4096),
-    "seed": Range(0, 2**63, hi_open=True),
-    "checkpoint_every": Range(1, 1_000_000),
-    "zero_stage": Range(0, 3),
-    "turn_discount": Range(0, 1),
-    "eval_every": Range(0, 1_000_000, note="0 = no evaluation"),
-    "eval_episodes": Range(1, 10_000),
-    "eval_temperature": Range(0, 10, note="0 = greedy"),
-    "sft_batch_size": Range(1, 4096),
-    "rollout_workers": Range(1, 64),
-    "rollout_timeout_s": Range(0, 86_400, lo_open=True),
-    "sampling.temperature": Range(0, 10),
-    "sampling.top_p": Range(0, 1, lo_open=True),
-    "sampling.max_new_tokens": Range(1, 32_768),
-    "sampling.max_total_tokens": Range(2, 131_072),
-    "sampling.max_turns": Range(1, 1024),
-}
+def _ranges(struct: type, prefix: str = "") -> dict[str, Range]:
+    """The Bounded fields of `struct` (and of its nested structs, dotted) as Ranges."""
+    out: dict[str, Range] = {}
+    for f in msgspec.inspect.type_info(struct).fields:
+        t, note = f.type, ""
+        if isinstance(t, msgspec.inspect.Metadata):
+            t, note = t.type, (t.extra_json_schema or {}).get("description", "")
+        if isinstance(t, msgspec.inspect.StructType):
+            out.update(_ranges(t.cls, f"{prefix}{f.name}."))
+        elif isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)) and f.name != "schema_version":
+            lo, hi = (t.ge if t.gt is None else t.gt), (t.le if t.lt is None else t.lt)
+            if lo is not None and hi is not None:
+                out[prefix + f.name] = Range(lo, hi, lo_open=t.gt is not None, hi_open=t.lt is not None, note=note)
+    return out
+
+
+# Every number of a spec (dotted: of `sampling`) and its allowed values, read off the
+# fields' Bounded types: one definition, for decode and validate_job_spec alike.
+RANGES: dict[str, Range] = _ranges(JobSpec)
 MAX_NAME_CHARS = 200
 MAX_PATH_CHARS = 1024         # model, sft_data
 MAX_TARGET_MODULES = 64       # lora_target_modules entries
@@ -186,16 +194,17 @@ def _check(cond: bool, field: str, reason: str) -> None:
         raise SpecError(field, reason)
 
 
-def _value(spec: JobSpec, dotted: str) -> Any:
+def _value(spec: JobSpec | dict[str, Any], dotted: str) -> Any:
+    """The value at `dotted` of a spec, or of its plain data (None when absent)."""
     obj: Any = spec
     for part in dotted.split("."):
-        obj = getattr(obj, part)
+        obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
     return obj
 
 
 def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
-    """Check the ranges and sizes msgspec's type check cannot express (RANGES and the
-    MAX_* sizes). `kind` is the job's: "train" or "inference" (SubmitJob.kind).
+    """Check the ranges (RANGES, which decoding enforces too) and the sizes msgspec's
+    type check cannot express (the MAX_* sizes). `kind` is the job's: "train" or "inference" (SubmitJob.kind).
 
     A GRPO training job must sample with `sampling.top_p` 1: the sampler's logprobs
     would be under the nucleus-truncated, renormalized distribution while the learner
@@ -211,9 +220,7 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
     for field, r in RANGES.items():
         x = _value(spec, field)
         if not r.allows(x):
-            bad = "must be finite" if isinstance(x, float) and not math.isfinite(x) else "must be"
-            note = f"; {r.note}" if r.note else ""
-            raise SpecError(field, f"{bad} in {r}{note} (got {x!r})")
+            raise SpecError(field, _range_reason(r, x))
     _check(len(spec.name) <= MAX_NAME_CHARS, "name", f"must be at most {MAX_NAME_CHARS} characters "
            f"(got {len(spec.name)})")
     for field in ("model", "sft_data"):
@@ -245,6 +252,12 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
     return spec
 
 
+def _range_reason(r: Range, x: object) -> str:
+    bad = "must be finite" if isinstance(x, float) and not math.isfinite(x) else "must be"
+    note = f"; {r.note}" if r.note else ""
+    return f"{bad} in {r}{note} (got {x!r})"
+
+
 def error_field(e: msgspec.ValidationError) -> str:
     """The dotted field a msgspec ValidationError names ("sampling.top_p", or the unknown
     field itself), or "" when it names none."""
@@ -262,5 +275,10 @@ def spec_from_dict(data: dict[str, Any], kind: str = "train") -> JobSpec:
     try:
         spec = msgspec.convert(data, JobSpec)
     except msgspec.ValidationError as e:
-        raise SpecError(error_field(e) or "spec", str(e)) from None
+        field = error_field(e)
+        r = RANGES.get(field)
+        x = _value(data, field) if r else None
+        if r and isinstance(x, (int, float)) and not isinstance(x, bool):
+            raise SpecError(field, _range_reason(r, x)) from None
+        raise SpecError(field or "spec", str(e)) from None
     return validate_job_spec(spec, kind)

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from opentinker.schemas.base import Count, MaskBit, Message, TokenId
-from opentinker.schemas.job import SamplingParams
+from opentinker.schemas.job import MAX_GROUP_SIZE, Bounded, Engine, SamplingParams
 
 
 class RolloutRequest(Message, frozen=True, kw_only=True):
@@ -33,9 +33,10 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     model: str
     env: str
     env_args: dict[str, Any] = msgspec.field(default_factory=dict)
-    group_size: Count = 8
+    # 1 for evaluation and inference groups; a training spec's group_size is >= 2
+    group_size: Bounded(int, 1, MAX_GROUP_SIZE) = 8
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    engine: str = "auto"
+    engine: Engine = "auto"
     split: str = "train"
     attempt: Count = 0
     policy_run: str = ""

@@ -34,15 +34,23 @@ ASSIGN_LEARNER_ALL = "ot.ctl.assign.learner.*"
 
 FAMILIES = ("events", "traj", "weights", "metrics")  # rollout: see rollout()
 
+STREAM_CTL = "OT_CTL"
+STREAM_EVENTS = "OT_EVENTS"
+STREAM_ROLLOUT = "OT_ROLLOUT"
+STREAM_TRAJ = "OT_TRAJ"
+STREAM_WEIGHTS = "OT_WEIGHTS"
+STREAM_METRICS = "OT_METRICS"
+STREAM_DLQ = "OT_DLQ"
+
 # stream name -> (subjects, retention). "workqueue" removes a message once acked.
 STREAMS: dict[str, tuple[list[str], str]] = {
-    "OT_CTL": (["ot.ctl.assign.>"], "workqueue"),
-    "OT_EVENTS": (["ot.job.*.events"], "limits"),
-    "OT_ROLLOUT": (["ot.job.*.rollout.*"], "workqueue"),
-    "OT_TRAJ": (["ot.job.*.traj"], "limits"),
-    "OT_WEIGHTS": (["ot.job.*.weights"], "limits"),
-    "OT_METRICS": (["ot.job.*.metrics"], "limits"),
-    "OT_DLQ": (["ot.dlq.>"], "limits"),
+    STREAM_CTL: (["ot.ctl.assign.>"], "workqueue"),
+    STREAM_EVENTS: (["ot.job.*.events"], "limits"),
+    STREAM_ROLLOUT: (["ot.job.*.rollout.*"], "workqueue"),
+    STREAM_TRAJ: (["ot.job.*.traj"], "limits"),
+    STREAM_WEIGHTS: (["ot.job.*.weights"], "limits"),
+    STREAM_METRICS: (["ot.job.*.metrics"], "limits"),
+    STREAM_DLQ: (["ot.dlq.>"], "limits"),
 }
 
 
@@ -75,17 +83,17 @@ DAY_S = 86_400.0
 # OT_WEIGHTS keeps its (small) events without an age limit: they name a job's policy for
 # as long as its weights are kept (inference `policy_of`).
 STREAM_LIMITS: dict[str, StreamLimits] = {
-    "OT_CTL": StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=14 * DAY_S,
+    STREAM_CTL: StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=14 * DAY_S,
                            max_msgs_per_subject=10_000),
-    "OT_EVENTS": StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=14 * DAY_S,
+    STREAM_EVENTS: StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=14 * DAY_S,
                               max_msgs_per_subject=10_000),
-    "OT_ROLLOUT": StreamLimits(max_msg_size=1 * MIB, max_bytes=512 * MIB, max_age_s=14 * DAY_S,
+    STREAM_ROLLOUT: StreamLimits(max_msg_size=1 * MIB, max_bytes=512 * MIB, max_age_s=14 * DAY_S,
                                max_msgs_per_subject=32_768),
-    "OT_TRAJ": StreamLimits(max_msg_size=4 * MIB, max_bytes=2 * GIB, max_age_s=14 * DAY_S),
-    "OT_WEIGHTS": StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=0.0,
+    STREAM_TRAJ: StreamLimits(max_msg_size=4 * MIB, max_bytes=2 * GIB, max_age_s=14 * DAY_S),
+    STREAM_WEIGHTS: StreamLimits(max_msg_size=256 * KIB, max_bytes=256 * MIB, max_age_s=0.0,
                                max_msgs_per_subject=1_000),
-    "OT_METRICS": StreamLimits(max_msg_size=256 * KIB, max_bytes=512 * MIB, max_age_s=14 * DAY_S),
-    "OT_DLQ": StreamLimits(max_msg_size=1 * MIB, max_bytes=256 * MIB, max_age_s=7 * DAY_S),
+    STREAM_METRICS: StreamLimits(max_msg_size=256 * KIB, max_bytes=512 * MIB, max_age_s=14 * DAY_S),
+    STREAM_DLQ: StreamLimits(max_msg_size=1 * MIB, max_bytes=256 * MIB, max_age_s=7 * DAY_S),
 }
 
 KV_JOBS = "ot_jobs"
@@ -158,6 +166,40 @@ def worker_key(pool: str, worker_id: str) -> str:
 def job_id_of(subject: str) -> str:
     """The job id in an `ot.job.<id>.<family>` subject."""
     return subject.split(".")[2]
+
+
+class Durable(msgspec.Struct, frozen=True):
+    """A durable JetStream consumer: its stream, its name and the subjects it filters.
+    Every service's durable is made here and bound by `Bus.durable`."""
+
+    stream: str
+    name: str
+    subject: str
+
+
+def assignments_durable(worker_id: str) -> Durable:
+    """A learner's assignments (work queue): one durable per learner worker."""
+    return Durable(STREAM_CTL, f"learner-{check_worker_id(worker_id)}", assign_learner(worker_id))
+
+
+def rollout_durable(worker_id: str) -> Durable:
+    """A rollout worker's requests, of every job placed on it (work queue)."""
+    return Durable(STREAM_ROLLOUT, f"rollout-{check_worker_id(worker_id)}", rollout_of_worker(worker_id))
+
+
+def traj_durable(job_id: str) -> Durable:
+    """A job's trajectories, read by the learner that trains it (one per job)."""
+    return Durable(STREAM_TRAJ, f"learner-{check_job_id(job_id)}", job(job_id, "traj"))
+
+
+def scheduler_events_durable(pool: str) -> Durable:
+    """Every job's events, read by the scheduler of `pool`."""
+    return Durable(STREAM_EVENTS, f"scheduler-events-{check_worker_id(pool)}", "ot.job.*.events")
+
+
+def recorder_durable(name: str, stream: str) -> Durable:
+    """All of `stream`, read by the recorder into one of its Parquet tables."""
+    return Durable(stream, f"recorder-{name}", STREAMS[stream][0][0])
 
 
 def env_init(env: str) -> str:

@@ -8,6 +8,27 @@
 # `uv pip install vllm` (see README "Install").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# System packages: bubblewrap (the code sandbox, services/envhost/sandbox.py runs model
+# code under bwrap) and chromium (the dashboard test drives it through Playwright).
+# Installed with apt when missing (as root, or by passwordless sudo); otherwise stop
+# with one line naming what to install. SKIP_SYSTEM_PACKAGES=1 skips this step.
+if [ -z "${SKIP_SYSTEM_PACKAGES:-}" ]; then
+  missing=()
+  command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+  if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then sudo=(); elif sudo -n true 2>/dev/null; then sudo=(sudo -n); else sudo=(none); fi
+    if [ "${sudo[0]:-}" = none ] || ! command -v apt-get >/dev/null 2>&1; then
+      echo "opentinker install: missing system packages: ${missing[*]} (install them, e.g. 'sudo apt-get install -y ${missing[*]}', then run this again)" >&2
+      exit 1
+    fi
+    echo "opentinker install: apt-get install ${missing[*]}"
+    "${sudo[@]}" apt-get update -q >/dev/null
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null
+  fi
+fi
+
 EXTRAS="${EXTRAS:-server,vllm,plot,wandb,bench,dev}"
 if ! command -v uv >/dev/null 2>&1; then
   python3 -m pip install -q uv

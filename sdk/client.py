@@ -340,7 +340,7 @@ class Client:
         the server refuses the key, AuthenticationError with no key."""
         import os
 
-        from opentinker.services.core.bus import default_nats_url, service_credentials
+        from opentinker.services.core.config import default_nats_url, service_credentials
 
         key = default_api_key() if api_key is None else api_key
         url = default_nats_url(nats_url)

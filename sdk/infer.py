@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import json
 import secrets
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from opentinker.schemas import (
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import SpecError
+from opentinker.schemas.stats import derived_seed, episode_stats, game_results
 
 if TYPE_CHECKING:
     from opentinker.sdk.client import Client
@@ -66,8 +66,7 @@ class InferResult:
 
 def episode_seed(seed: int, index: int) -> int:
     """The initial-state seed of group `index`: a pure function of (seed, index)."""
-    h = hashlib.blake2b(f"infer:{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFFFFFF
+    return derived_seed("infer", seed, index)
 
 
 def new_run_id() -> str:
@@ -91,26 +90,13 @@ def read_adapter(path: str | Path) -> tuple[bytes, dict[str, Any]]:
 
 
 def summarize(trajs: list[Trajectory]) -> dict[str, Any]:
-    """episodes, reward_mean/std, accuracy (env info `correct`, else reward > 0),
-    win_rate/draw_rate/loss_rate (env info `result`, games only), tokens, turns, errors."""
-    n = len(trajs)
-    rewards = [t.reward for t in trajs]
-    out: dict[str, Any] = {
-        "episodes": n,
-        "reward_mean": statistics.fmean(rewards) if n else 0.0,
-        "reward_std": statistics.pstdev(rewards) if n else 0.0,
-        "accuracy": sum(t.correct for t in trajs) / n if n else 0.0,
-        "gen_tokens_mean": statistics.fmean(sum(t.loss_mask) for t in trajs) if n else 0.0,
-        "gen_tokens_total": sum(sum(t.loss_mask) for t in trajs),
-        "tokens_total": sum(len(t.token_ids) for t in trajs),
-        "turns_mean": statistics.fmean(len(t.turns) for t in trajs) if n else 0.0,
-        "errors": sum(1 for t in trajs if t.error),
-    }
-    results = [t.env_info.get("result") for t in trajs if "result" in t.env_info]
-    if results:
-        for r in ("win", "draw", "loss"):
-            out[f"{r}_rate"] = results.count(r) / len(results)
-    return out
+    """The run's summary: `episode_stats` (episodes, reward_mean/std, correct_frac, ...),
+    the game results (win/draw/loss_rate, games only) and totals: gen_tokens_total,
+    tokens_total, errors."""
+    return {**episode_stats(trajs), **game_results(trajs),
+            "gen_tokens_total": sum(sum(t.loss_mask) for t in trajs),
+            "tokens_total": sum(len(t.token_ids) for t in trajs),
+            "errors": sum(1 for t in trajs if t.error)}
 
 
 def episode_row(t: Trajectory) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import msgspec
 
 from opentinker.schemas import Metrics, Trajectory, decode
 from opentinker.schemas import subjects as S
+from opentinker.schemas.stats import episode_stats, lag_stats
 
 
 def default_mode() -> str:
@@ -33,18 +33,18 @@ def default_mode() -> str:
 
 def rollout_figures(trajs: list[Trajectory]) -> dict[str, float]:
     """Per-step figures from the step's trajectories: tokens generated per second of
-    generation, episode length (tokens), turns, env latency (ms per turn) and policy lag
-    (versions behind the step)."""
+    generation, env latency (ms per turn), and the episode statistics the learner's
+    metrics use too (schemas/stats.py: episode length, turns, policy lag, episodes)."""
     gen_tokens = sum(sum(t.loss_mask) for t in trajs)
     gen_s = sum(t.gen_ms for t in trajs) / 1e3
-    turns = [len(t.turns) for t in trajs]
+    ep, lag = episode_stats(trajs), lag_stats(trajs)
     return {
         "rollout/gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
-        "rollout/episode_tokens_mean": statistics.fmean(len(t.token_ids) for t in trajs),
-        "rollout/turns_mean": statistics.fmean(turns),
-        "rollout/env_ms_per_turn": sum(t.env_ms for t in trajs) / max(1, sum(turns)),
-        "rollout/policy_lag_mean": statistics.fmean(t.step - t.policy_version for t in trajs),
-        "rollout/episodes": float(len(trajs)),
+        "rollout/episode_len_mean": ep["episode_len_mean"],
+        "rollout/turns_mean": ep["turns_mean"],
+        "rollout/env_ms_per_turn": sum(t.env_ms for t in trajs) / max(1, sum(len(t.turns) for t in trajs)),
+        "rollout/policy_lag_mean": lag["policy_lag_mean"],
+        "rollout/episodes": ep["episodes"],
     }
 
 

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -39,13 +38,15 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from opentinker.schemas import DeadLetter, JobRecord, decode, encode, schema_name
 from opentinker.schemas import subjects as S
+from opentinker.schemas.job import error_field
 from opentinker.services.core import tracing
+from opentinker.services.core.config import default_nats_url, service_credentials
 
 log = logging.getLogger("opentinker.bus")
 T = TypeVar("T", bound=msgspec.Struct)
 
 # Weights and checkpoints go through the object store in large chunks: with the
-# default 128 KiB chunks a get of tens of MB is slow (DESIGN.md, measured).
+# default 128 KiB chunks a get of tens of MB is slow (measured).
 OBJ_CHUNK_BYTES = 4 * 1024 * 1024
 DUPLICATE_WINDOW_S = 120.0
 RETRY_FOR_S = 300.0  # how long a bus call is retried across an outage before it fails
@@ -126,11 +127,6 @@ def _overlap(a: str, b: str) -> bool:
     return True
 
 
-def default_nats_url(url: str | None = None) -> str:
-    """`url`, else $NATS_URL, else nats://127.0.0.1:4222."""
-    return url or os.environ.get("NATS_URL") or "nats://127.0.0.1:4222"
-
-
 def streams_of(subject: str) -> list[str]:
     """The streams (schemas.subjects.STREAMS) that can hold messages on `subject`."""
     return [stream for stream, (subjects, _) in S.STREAMS.items() if any(_overlap(subject, x) for x in subjects)]
@@ -156,29 +152,6 @@ def stream_config(name: str, max_bytes_scale: float = 1.0, max_age_scale: float 
         discard=api.DiscardPolicy.NEW if work else api.DiscardPolicy.OLD,
         discard_new_per_subject=work and lim.max_msgs_per_subject > 0,
     )
-
-
-def service_credentials(url: str) -> dict[str, str]:
-    """nats.connect arguments of the service identity (natsauth.py): `$NATS_NKEY` (an
-    nkey seed file), `$NATS_CREDS` (a creds file), or, when `url` is the NATS of the
-    local `opentinker up` stack, that stack's service nkey (named in
-    `<home>/stack.json`; only its owner can read it). {} when there is none."""
-    import json
-    from pathlib import Path
-
-    from opentinker.services.core.config import default_home
-
-    if os.environ.get("NATS_NKEY"):
-        return {"nkeys_seed": os.environ["NATS_NKEY"]}
-    if os.environ.get("NATS_CREDS"):
-        return {"user_credentials": os.environ["NATS_CREDS"]}
-    f = Path(default_home()) / "stack.json"
-    if f.is_file():
-        with contextlib.suppress(ValueError, OSError):
-            stack = json.loads(f.read_text())
-            if stack.get("nats_url") == url and stack.get("service_nkey") and Path(stack["service_nkey"]).is_file():
-                return {"nkeys_seed": stack["service_nkey"]}
-    return {}
 
 
 class Bus:
@@ -528,17 +501,30 @@ class Bus:
 
     # -- consume --------------------------------------------------------------
 
-    async def pull(self, stream: str, durable: str, filter_subject: str,
-                   ack_wait_s: float = 60.0, max_deliver: int = -1,
-                   deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL):
-        """A durable pull subscription on `stream` (created or bound)."""
+    async def durable(self, d: S.Durable, ack_wait_s: float = 60.0, max_deliver: int = -1,
+                      deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL,
+                      max_ack_pending: int = 10_000, update: bool = False):
+        """A pull subscription bound to the durable consumer `d` (schemas.subjects makes
+        every service's), created if missing. With `update` its config is also applied
+        to an existing consumer (a changed ack wait takes effect on restart)."""
         cfg = api.ConsumerConfig(
-            durable_name=durable, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
-            max_deliver=max_deliver, filter_subject=filter_subject, deliver_policy=deliver_policy,
-            max_ack_pending=10_000,
+            durable_name=d.name, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
+            max_deliver=max_deliver, filter_subject=d.subject, deliver_policy=deliver_policy,
+            max_ack_pending=max_ack_pending,
         )
-        return await self._retry(f"consumer {durable} on {stream}", self.js.pull_subscribe, filter_subject,
-                                 durable=durable, stream=stream, config=cfg)
+        if update:
+            await self._retry(f"consumer {d.name} on {d.stream}", self.js.add_consumer, d.stream,
+                              config=dataclasses.replace(cfg, name=d.name))
+        return await self._retry(f"consumer {d.name} on {d.stream}", self.js.pull_subscribe, d.subject,
+                                 durable=d.name, stream=d.stream, config=cfg)
+
+    async def pull(self, stream: str, durable: str, filter_subject: str, **kw: Any):  # TEMPORARY-SHIM
+        return await self.durable(S.Durable(stream, durable, filter_subject), **kw)  # TEMPORARY-SHIM
+
+    async def delete_durable(self, d: S.Durable) -> None:
+        """Delete the durable consumer `d`; nothing when it does not exist."""
+        with contextlib.suppress(NotFoundError):
+            await self._retry(f"delete consumer {d.name}", self.js.delete_consumer, d.stream, d.name)
 
     async def fetch(self, sub, batch: int = 1, timeout_s: float = 1.0) -> list[Msg]:
         """Up to `batch` messages, or [] when none arrive within `timeout_s` (or the
@@ -558,7 +544,8 @@ class Bus:
         try:
             return decode(m.data, kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            await self.dead_letter(m, f"cannot decode {kind.__name__}: {e}")
+            field = error_field(e) if isinstance(e, msgspec.ValidationError) else ""
+            await self.dead_letter(m, f"cannot decode {kind.__name__}: " + (f"`{field}`: " if field else "") + str(e))
             await m.term()
             return None
 

@@ -4,6 +4,7 @@ service prints the result."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tomllib
 from pathlib import Path
@@ -127,3 +128,38 @@ def main_settings(service: str, argv: list[str] | None = None) -> Settings:
     logging.basicConfig(level=settings.log_level,
                         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
     return settings
+
+
+# -- where, and as whom, to connect ------------------------------------------------
+
+
+def local_stack() -> dict[str, Any]:
+    """What a running `opentinker up` on this machine wrote to `<home>/stack.json`
+    (`nats_url`, `api_url`, `service_nkey`), or {} when none runs (or it is unreadable)."""
+    import json
+
+    with contextlib.suppress(ValueError, OSError):
+        stack = json.loads((Path(default_home()) / "stack.json").read_text())
+        if isinstance(stack, dict):
+            return stack
+    return {}
+
+
+def default_nats_url(url: str | None = None) -> str:
+    """`url`, else $NATS_URL, else the local `opentinker up` stack's, else nats://127.0.0.1:4222."""
+    return url or os.environ.get("NATS_URL") or local_stack().get("nats_url") or "nats://127.0.0.1:4222"
+
+
+def service_credentials(url: str) -> dict[str, str]:
+    """nats.connect arguments of the service identity (natsauth.py): `$NATS_NKEY` (an
+    nkey seed file), `$NATS_CREDS` (a creds file), or, when `url` is the NATS of the
+    local `opentinker up` stack, that stack's service nkey (named in
+    `<home>/stack.json`; only its owner can read it). {} when there is none."""
+    if os.environ.get("NATS_NKEY"):
+        return {"nkeys_seed": os.environ["NATS_NKEY"]}
+    if os.environ.get("NATS_CREDS"):
+        return {"user_credentials": os.environ["NATS_CREDS"]}
+    stack = local_stack()
+    if stack.get("nats_url") == url and stack.get("service_nkey") and Path(stack["service_nkey"]).is_file():
+        return {"nkeys_seed": stack["service_nkey"]}
+    return {}

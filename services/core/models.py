@@ -82,7 +82,7 @@ def _convert_gguf(out: Path, home: Path) -> None:
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # the dequantized weights are plain tensors now; drop the quantizer so that
-    # save_pretrained writes an ordinary checkpoint (DESIGN.md, measured)
+    # save_pretrained writes an ordinary checkpoint, not the GGUF quantizer's config
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -14,7 +14,7 @@ Body = Callable[[Settings, Bus, asyncio.Event], Awaitable[None]]
 
 def run_service(service: str, body: Body, argv: list[str] | None = None) -> None:
     """Parse settings, connect to NATS, create the topology, run `body` until
-    SIGINT/SIGTERM sets the stop event, then drain the connection."""
+    SIGINT/SIGTERM sets the stop event, then flush and close the connection (Bus.close)."""
     settings = main_settings(service, argv)
     tracing.setup(service)
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from opentinker.schemas.job import ENV_NAME_RE
-from opentinker.sdk.env import AbstractGame
+from opentinker.schemas.game import AbstractGame
 from opentinker.services.envhost.registry import BUILTIN
 
 
@@ -57,7 +57,7 @@ def load_class(spec: str, env_path: list[str] | None = None) -> type[AbstractGam
         raise EnvLoadError(f"--env {spec!r}: {module.__name__} has no attribute {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, AbstractGame)):
         raise EnvLoadError(f"--env {spec!r}: {attr} is not a subclass of "
-                           "opentinker.sdk.env.AbstractGame")
+                           "opentinker.schemas.game.AbstractGame")
     return cls
 
 

@@ -52,7 +52,7 @@ from opentinker.schemas import (
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import ENV_NAME_RE
-from opentinker.sdk.env import AbstractGame, StepResult
+from opentinker.schemas.game import AbstractGame, StepResult
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.runner import run_service

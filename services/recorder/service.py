@@ -1,7 +1,7 @@
 """Recorder: writes the trajectory log (Parquet, partitioned by job) from the bus.
 
 Role: the durable record of every job: trajectories, metrics and state changes, for
-`opentinker query` (DuckDB views in query.py) and for replay. A message is acked only
+`opentinker query` (DuckDB views in services/core/logdb.py) and for replay. A message is acked only
 after its rows are in a Parquet file on disk, so a crash loses nothing (JetStream
 redelivers after `recorder_ack_wait_s`); a message written but not yet acked when the
 recorder died is written again, and the query views keep one copy.
@@ -36,7 +36,6 @@ from typing import Any
 import msgspec
 import pyarrow as pa
 from nats.aio.msg import Msg
-from nats.js import api
 
 from opentinker.schemas import JobStateChanged, Metrics, Trajectory
 from opentinker.schemas import subjects as S
@@ -55,22 +54,17 @@ class Table:
     """One recorded table: where its messages come from and how they become rows."""
 
     name: str
-    stream: str
-    durable: str
+    durable: S.Durable
     kind: type
     rows: Callable[[Any, int], list[dict[str, Any]]]
 
-    @property
-    def subject(self) -> str:
-        return S.STREAMS[self.stream][0][0]
-
 
 TABLES = (
-    Table("trajectories", "OT_TRAJ", "recorder-traj", Trajectory, store.trajectory_rows),
-    Table("metrics", "OT_METRICS", "recorder-metrics", Metrics, store.metrics_rows),
-    Table("events", "OT_EVENTS", "recorder-events", JobStateChanged, store.event_rows),
+    Table("trajectories", S.recorder_durable("traj", S.STREAM_TRAJ), Trajectory, store.trajectory_rows),
+    Table("metrics", S.recorder_durable("metrics", S.STREAM_METRICS), Metrics, store.metrics_rows),
+    Table("events", S.recorder_durable("events", S.STREAM_EVENTS), JobStateChanged, store.event_rows),
     # the same metrics messages, a second consumer: which groups each step trained on
-    Table("steps", "OT_METRICS", "recorder-steps", Metrics, store.step_rows),
+    Table("steps", S.recorder_durable("steps", S.STREAM_METRICS), Metrics, store.step_rows),
 )
 
 
@@ -98,25 +92,14 @@ class Buffer:
             self.n_rows += rows.num_rows
 
 
-async def durable_pull(bus: Bus, t: Table, ack_wait_s: float, max_ack_pending: int):
-    """Create or update the table's durable consumer (so a changed ack wait applies to
-    an existing one too) and bind a pull subscription to it."""
-    cfg = api.ConsumerConfig(
-        name=t.durable, durable_name=t.durable, ack_policy=api.AckPolicy.EXPLICIT,
-        ack_wait=ack_wait_s, max_deliver=-1, filter_subject=t.subject,
-        deliver_policy=api.DeliverPolicy.ALL, max_ack_pending=max_ack_pending,
-    )
-    await bus.js.add_consumer(t.stream, config=cfg)
-    return await bus.pull(t.stream, t.durable, t.subject, ack_wait_s=ack_wait_s)
-
-
 async def record(bus: Bus, settings: Settings, t: Table, stop: asyncio.Event) -> None:
     """Consume one table's stream into Parquet parts until `stop` is set, then flush."""
     # pyarrow's first conversion imports pandas (seconds): done now, not while a fetched
     # batch's ack wait runs (which would see its messages redelivered)
     await asyncio.to_thread(store.to_table, t.name, [])
-    sub = await durable_pull(bus, t, settings.recorder_ack_wait_s,
-                             max(10_000, 2 * settings.recorder_flush_rows))
+    # updated on start, so that a changed ack wait applies to an existing consumer too
+    sub = await bus.durable(t.durable, ack_wait_s=settings.recorder_ack_wait_s,
+                            max_ack_pending=max(10_000, 2 * settings.recorder_flush_rows), update=True)
     log_dir = settings.log_dir
     buf = Buffer()
     wait_s = max(0.05, min(1.0, settings.recorder_flush_s))

@@ -1,5 +1,5 @@
 """The agent loop: run groups of episodes against an engine and an environment client,
-token-exact (DESIGN.md "The agent loop").
+token-exact: the trajectory's token ids are exactly what the policy saw and sampled.
 
 Each episode moves PENDING -> GENERATING <-> INTERACTING -> TERMINATED:
 

@@ -7,7 +7,7 @@ Nothing but service.py imports this module.
   under the processed distribution (logprobs_mode="processed_logprobs": after
   temperature and top-p), i.e. the distribution it was actually sampled from.
 - The engine is seeded once; a per-request `seed` kills the CPU engine ("CPU
-  Generator does not use offset", DESIGN.md).
+  Generator does not use offset", vLLM 0.32 on CPU).
 - LoRA adapters up to `max_lora_rank` are applied by vLLM per request (multi-LoRA,
   `use_lora`): jobs sharing the engine switch adapters without touching the weights.
 - Weights reload in place by Hugging Face name (`reload_weights`), a partial load of
@@ -37,7 +37,7 @@ from opentinker.services.rollout.agent_loop import GenOut  # noqa: E402
 
 log = logging.getLogger("opentinker.rollout.vllm")
 
-MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels reject smaller heads (DESIGN.md)
+MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels reject smaller heads (vLLM 0.32)
 
 
 def available() -> bool:

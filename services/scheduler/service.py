@@ -316,7 +316,7 @@ class Scheduler:
                 return CancelReply(ok=False, state=rec.state.value, error="job changed meanwhile; try again")
         await self.announce(rec)
         with contextlib.suppress(NotFoundError):
-            await self.bus.js.purge_stream("OT_ROLLOUT", subject=S.rollout_all(job_id))
+            await self.bus.js.purge_stream(S.STREAM_ROLLOUT, subject=S.rollout_all(job_id))
         self.wake.set()
         return CancelReply(ok=True, state=rec.state.value)
 
@@ -388,19 +388,17 @@ class Scheduler:
         log.warning("job %s: %s", rec.job_id, why)
         await self.announce(rec)  # a surviving learner of the job stops on this
         with contextlib.suppress(NotFoundError):
-            await self.bus.js.purge_stream("OT_ROLLOUT", subject=S.rollout_all(rec.job_id))
+            await self.bus.js.purge_stream(S.STREAM_ROLLOUT, subject=S.rollout_all(rec.job_id))
         for w in lost:
             await self.forget_worker(w)
         return rec, rev
 
     async def forget_worker(self, worker: str) -> None:
         """Drop a lost worker's consumers and the work addressed to it."""
-        for stream, durable, subject in (("OT_CTL", f"learner-{worker}", S.assign_learner(worker)),
-                                         ("OT_ROLLOUT", f"rollout-{worker}", S.rollout_of_worker(worker))):
+        for d in (S.assignments_durable(worker), S.rollout_durable(worker)):
+            await self.bus.delete_durable(d)
             with contextlib.suppress(NotFoundError):
-                await self.bus.js.delete_consumer(stream, durable)
-            with contextlib.suppress(NotFoundError):
-                await self.bus.js.purge_stream(stream, subject=subject)
+                await self.bus.js.purge_stream(d.stream, subject=d.subject)
 
     async def place(self, rec: JobRecord, rev: int, p: Placement) -> None:
         where = ", ".join(holders(msgspec.structs.replace(rec, placement=p)))
@@ -448,7 +446,7 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
                  " (sealed with an xkey)" if xkey else "")
     if settings.nats_system_nkey_file:
         await sched.connect_system(settings.nats_url, settings.nats_system_nkey_file)
-    events = await bus.pull("OT_EVENTS", f"scheduler-events-{settings.pool}", "ot.job.*.events")
+    events = await bus.durable(S.scheduler_events_durable(settings.pool))
     placing = asyncio.create_task(sched.run_placement(stop))
     server = None
     if settings.api_port:

@@ -131,7 +131,7 @@ async def test_every_builtin_env_trains_and_logs_its_episodes(services, nats_url
         assert res.summary["episodes"] == 4 and res.summary["policy_version"] == 1
         assert (res.out_dir / "episodes.jsonl").read_text().count("\n") == 4
         assert (res.out_dir / "episodes.parquet").exists()
-        assert json.loads((res.out_dir / "summary.json").read_text())["accuracy"] == res.summary["accuracy"]
+        assert json.loads((res.out_dir / "summary.json").read_text())["correct_frac"] == res.summary["correct_frac"]
     # greedy, same seed, same weights: the same episodes
     assert [t.turns[0].action for t in by_job.trajectories] == [t.turns[0].action for t in by_path.trajectories]
 

@@ -84,7 +84,7 @@ def wandb_history(wandb_dir, run_id: str) -> list[dict]:
 async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job_id, engine, bus):
     spec = _spec(tiny_model, "arith", engine)
     # `opentinker tail` on the running job (with the hf engine): decoded messages as JSON
-    tail = subprocess.Popen([sys.executable, "-m", "opentinker.sdk.cli", "--nats-url", nats_url, "tail",
+    tail = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "--nats-url", nats_url, "tail",
                              f"ot.job.{job_id}.>", "--short"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True) if engine == "hf" else None
     wandb_dir = tmp_path / "wb" if engine == "hf" else None
@@ -99,7 +99,7 @@ async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job
         assert all("rollout/env_ms_per_turn" in h and "rollout/gen_tokens_per_s" in h for h in train.values())
     if tail is not None:
         # `opentinker watch` on the finished job: the whole run, then its end
-        out = subprocess.run([sys.executable, "-m", "opentinker.sdk.cli", "--nats-url", nats_url, "watch", job_id],
+        out = subprocess.run([sys.executable, "-m", "opentinker.cli", "--nats-url", nats_url, "watch", job_id],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and f"{job_id} completed" in out.stdout and "2/2" in out.stdout, out.stdout
         tail.terminate()

@@ -139,7 +139,7 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
     await place_job(bus, job_id, JobSpec(model=tiny_model, env=env), rollout=[f"w-{job_id}"])
     await place_job(bus, f"{job_id}-b", JobSpec(model=tiny_model, env=env), rollout=[f"w-{job_id}"])
     subs = await serve_game(bus, env, host_id=f"h-{job_id}")
-    traj_sub = await bus.pull("OT_TRAJ", f"traj-{job_id}", S.job(job_id, "traj"))
+    traj_sub = await bus.durable(S.Durable(S.STREAM_TRAJ, f"traj-{job_id}", S.job(job_id, "traj")))
     # with vLLM, its multi-LoRA path (off by default on CPU, see bench/multi_lora.py)
     services.start("rollout", f"engine={engine}", f"worker_id=w-{job_id}",
                    *(["vllm_multi_lora=on"] if engine == "vllm" else []))
@@ -175,7 +175,7 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
 
     # another job on the same model and worker: the engine goes back to the base weights
     other = f"{job_id}-b"
-    other_sub = await bus.pull("OT_TRAJ", f"traj-{other}", S.job(other, "traj"))
+    other_sub = await bus.durable(S.Durable(S.STREAM_TRAJ, f"traj-{other}", S.job(other, "traj")))
     await bus.publish(S.rollout(other, f"w-{job_id}"), rollout_request(other, tiny_model, env, "r0", 0))
     for t in await collect(bus, other_sub, 3, services):
         check_masks(t, tok)
@@ -221,8 +221,7 @@ async def test_rollout_service_hf(bus, services, job_id, tiny_model, tmp_path):
     done_job = f"{job_id}-done"
     kv = await bus.kv(S.KV_JOBS)
     await kv.put(done_job, encode(JobRecord(job_id=done_job, spec=JobSpec(), state=JobState.COMPLETED)))
-    dlq = await bus.pull("OT_DLQ", f"dlq-{job_id}", S.dead_letter("rollout"),
-                         deliver_policy=nats.js.api.DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("rollout")), deliver_policy=nats.js.api.DeliverPolicy.NEW)
     await bus.publish(S.rollout(done_job, f"w2-{job_id}"),
                       rollout_request(done_job, "smollm2-135m-instruct", "count", "rx", 0))
     await bus.js.publish(S.rollout(job_id, f"w2-{job_id}"), b"\xc1 not a request")

@@ -59,7 +59,7 @@ async def test_submit_records_assigns_and_cancels(client, bus, job_id, services)
     # (this test plays their part with their heartbeats) and the job is placed on them
     await asyncio.sleep(1.5)
     assert (await job.record()).placement is None
-    sub = await bus.pull("OT_CTL", f"peek-{job_id}", S.assign_learner(f"l-{job_id}"))
+    sub = await bus.durable(S.Durable(S.STREAM_CTL, f"peek-{job_id}", S.assign_learner(f"l-{job_id}")))
     beats = [Heartbeat(bus, kind, f"{kind[0]}-{job_id}", services.pool, WorkerCapacity(slots=1), list)
              for kind in ("learner", "rollout")]
     for b in beats:
@@ -130,7 +130,7 @@ def test_sync_client_and_cli(services, nats_url, job_id):
                 time.sleep(0.2)
         assert job.record().state == JobState.QUEUED
         assert job_id in [r.job_id for r in sc.jobs()]
-        cli = [sys.executable, "-m", "opentinker.sdk.cli", "--nats-url", nats_url]
+        cli = [sys.executable, "-m", "opentinker.cli", "--nats-url", nats_url]
         out = subprocess.run([*cli, "jobs"], capture_output=True, text=True, check=True).stdout
         assert job_id in out and "queued" in out
         out = subprocess.run([*cli, "cancel", job_id], capture_output=True, text=True)

@@ -22,7 +22,7 @@ import pytest
 def serve_model(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k != "OPENTINKER_SERVE_API_KEY"}
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "opentinker.sdk.cli", "serve-model", *args],
+    return subprocess.run([sys.executable, "-m", "opentinker.cli", "serve-model", *args],
                           env=e, capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -156,7 +156,7 @@ def test_serves_base_and_adapter_with_key(home, tiny_model, adapter, tmp_path):
     log_path = tmp_path / "serve-model.log"
     env = dict(os.environ, OPENTINKER_HOME=str(home), OPENTINKER_SERVE_API_KEY=key,
                VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "opentinker.sdk.cli", "serve-model", "--model", tiny_model,
+    cmd = [sys.executable, "-m", "opentinker.cli", "serve-model", "--model", tiny_model,
            "--adapter", str(adapter), "--served-name", "tuned", "--port", str(port), "--max-model-len", "512"]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:

@@ -36,7 +36,7 @@ def test_a_broken_compose_file_is_caught(tmp_path):
 
 
 def test_the_stack_has_the_topology_of_opentinker_up():
-    from opentinker.sdk.stack import SERVICES
+    from opentinker.ops.stack import SERVICES
 
     svc = yaml.safe_load(COMPOSE.read_text())["services"]
     for name in SERVICES:

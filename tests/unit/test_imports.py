@@ -1,5 +1,7 @@
-"""Architecture rules checked on the source: services never import one another, and the
-SDK (the client install) never pulls torch or vLLM."""
+"""Architecture rules checked on the source: services never import one another, nor the
+SDK, CLI or operator package; the SDK (the client install) imports no service but the
+shared core's bus and config, and never pulls torch, vLLM or a server extra; no source
+file grows past 600 lines."""
 
 import ast
 import subprocess
@@ -47,11 +49,40 @@ def test_schemas_import_only_msgspec_and_stdlib():
             assert top in sys.stdlib_module_names or top in ("msgspec", "opentinker", "__future__"), (f, mod)
 
 
-def test_sdk_import_pulls_no_engine():
-    code = ("import sys, opentinker.sdk, opentinker.sdk.cli, opentinker.schemas;"
-            "print(sorted(m for m in ('torch','vllm','transformers','deepspeed','duckdb') if m in sys.modules))")
+def test_services_import_no_sdk_cli_or_operator_package():
+    bad = [f"{f.relative_to(ROOT)} imports {mod}" for f in (ROOT / "services").rglob("*.py")
+           for mod in _imports(f) if mod.split(".")[:2] in (["opentinker", "sdk"], ["opentinker", "cli"],
+                                                            ["opentinker", "ops"])]
+    assert not bad, bad
+
+
+# what the SDK may take from the services tree: the shared core's connection and settings
+SDK_MAY_IMPORT = {"opentinker.services.core.bus", "opentinker.services.core.config"}
+
+
+def test_sdk_imports_no_service():
+    bad = [f"{f.relative_to(ROOT)} imports {mod}" for f in (ROOT / "sdk").rglob("*.py")
+           for mod in _imports(f)
+           if mod.startswith(("opentinker.services", "opentinker.ops", "opentinker.cli")) and mod not in SDK_MAY_IMPORT]
+    assert not bad, bad
+
+
+# the `server` extra's packages (pyproject.toml) and the engines: none may load with the SDK
+SERVER_ONLY = ("torch", "vllm", "transformers", "deepspeed", "peft", "duckdb", "pyarrow", "argon2",
+               "fastapi", "uvicorn", "numpy", "gguf", "math_verify", "opentelemetry.sdk")
+
+
+def test_sdk_import_pulls_no_server_extra():
+    code = ("import sys, opentinker.sdk, opentinker.sdk.infer, opentinker.sdk.wandb_bridge, opentinker.cli.main,"
+            f" opentinker.schemas; print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_source_file_over_600_lines():
+    long = {str(f.relative_to(ROOT)): n for d in ("sdk", "cli", "ops", "schemas", "services", "bench")
+            for f in (ROOT / d).rglob("*.py") if (n := len(f.read_text().splitlines())) > 600}
+    assert not long, long
 
 
 def test_client_install_depends_on_no_engine():

@@ -63,7 +63,7 @@ def test_a_slice_exports_to_parquet_and_jsonl(log, tmp_path):
 
 
 def test_plot_writes_a_chart_per_metric_and_episodes_show_the_mask(log, tmp_path):
-    from opentinker.sdk.views import episodes, plot
+    from opentinker.cli.views import episodes, plot
 
     files = plot("j", log, tmp_path / "plots")
     assert [f.name for f in files] == ["reward.png", "kl.png", "overview.png"]  # the metrics the log has

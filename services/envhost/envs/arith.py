@@ -1,8 +1,8 @@
 """`arith`: data-free, single-turn arithmetic ("What is 3 + 5?"), the default task.
 
-DESIGN.md measured SmolLM2-135M-Instruct at about 27% on single-digit addition at
-temperature 1 with "Reply with only the number", and GRPO lifting it to about 0.55
-in 20 steps: hard enough to learn, easy enough to move.
+SmolLM2-135M-Instruct scores about 0.08 on it (README: it rarely answers with just the
+number) and GRPO lifts it to about 0.9 in 40 steps: hard enough to learn, easy enough
+to move.
 
 Held out: every problem belongs to exactly one split, by a hash of the problem itself
 (operands sorted, since all three ops are commutative), so split "test" asks only
@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from opentinker.sdk.env import AbstractGame, StepResult
+from opentinker.schemas.game import AbstractGame, StepResult
 from opentinker.services.envhost.envs.answers import first_number, same_number
 
 OPS = ("add", "mul", "max")

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from opentinker.sdk.env import AbstractGame, StepResult
+from opentinker.schemas.game import AbstractGame, StepResult
 from opentinker.services.envhost import sandbox
 from opentinker.services.envhost.envs import gsm8k
 from opentinker.services.envhost.envs.answers import verify_answer

@@ -26,7 +26,7 @@ import math
 import re
 from typing import Any
 
-from opentinker.sdk.env import AbstractGame, StepResult
+from opentinker.schemas.game import AbstractGame, StepResult
 
 EMPTY, MODEL, OPPONENT = ".", "X", "O"
 OPPONENTS = ("random", "greedy", "strong")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.sdk.env import AbstractGame, StepResult
+from opentinker.schemas.game import AbstractGame, StepResult
 from opentinker.services.envhost.envs.answers import first_number
 
 

@@ -147,11 +147,26 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def discover_nats_url(home: str | Path) -> str | None:
-    """$NATS_URL, else the URL of a running `opentinker up` in `home`, else None."""
-    if os.environ.get("NATS_URL"):
-        return os.environ["NATS_URL"]
-    f = Path(home) / "stack.json"
-    if f.exists():
-        return json.loads(f.read_text()).get("nats_url")
-    return None
+def supervise(stack: Stack, say=print) -> None:
+    """`opentinker up`'s foreground loop: restart any service that exits (a service can
+    be killed and restarted at any time; its work is redelivered from JetStream) until
+    SIGINT or SIGTERM, then stop the whole stack."""
+    stopping = False
+
+    def _stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stopping:
+            time.sleep(0.5)
+            for name, p in list(stack.procs.items()):
+                if p.poll() is not None and not stopping:
+                    say(f"{name} exited with {p.returncode}; restarting", flush=True)
+                    time.sleep(1.0)
+                    stack.spawn(name)
+    finally:
+        say("stopping...", flush=True)
+        stack.stop()

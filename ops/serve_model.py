@@ -245,7 +245,7 @@ def plan(args: argparse.Namespace, extra: list[str], environ: dict[str, str]) ->
            "--max-model-len", str(args.max_model_len), "--served-model-name", base]
     if device == "cpu":
         # torch.compile costs about a minute at start on CPU and ran slower than eager
-        # here (DESIGN.md, rollout engine)
+        # (measured on a 2-core CPU machine)
         cmd.append("--enforce-eager")
     if kind == "lora":
         name = args.served_name or default_name

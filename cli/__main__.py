@@ -1,0 +1,5 @@
+import sys
+
+from opentinker.cli.main import main
+
+sys.exit(main())
