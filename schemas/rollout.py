@@ -4,12 +4,17 @@ A RolloutRequest asks for one GRPO group: `group_size` episodes that share one i
 environment state. A Trajectory is one episode.
 """
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from opentinker.schemas.base import Count, MaskBit, Message, TokenId
 from opentinker.schemas.job import MAX_GROUP_SIZE, Bounded, Engine, SamplingParams
+
+
+# What an episode is for: a training step's group, a learner's evaluation, or an
+# inference job / `opentinker infer`. The learner routes trajectories on it.
+Purpose = Literal["train", "eval", "inference"]
 
 
 class RolloutRequest(Message, frozen=True, kw_only=True):
@@ -40,6 +45,7 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     split: str = "train"
     attempt: Count = 0
     policy_run: str = ""
+    purpose: Purpose = "train"
 
 
 class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +95,7 @@ class Trajectory(Message, frozen=True, kw_only=True):
     policy_version: Count
     env: str = ""
     split: str = "train"
+    purpose: Purpose = "train"  # the request's (RolloutRequest.purpose)
     env_info: dict[str, Any] = msgspec.field(default_factory=dict)
     error: str = ""
     worker: str = ""

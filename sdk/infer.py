@@ -193,7 +193,7 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     requests = [RolloutRequest(job_id=run_id, request_id=f"{run_id}-g{g}", step=0, group_index=g,
                                group_seed=episode_seed(seed, g), policy_version=version, model=model,
                                env=env, env_args=dict(env_args or {}), group_size=group_size,
-                               sampling=sampling, engine=engine, split=split)
+                               sampling=sampling, engine=engine, split=split, purpose="inference")
                 for g in range(episodes // group_size)]
     try:
         workers, attempt = await _placement(placed, timeout_s)

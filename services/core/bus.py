@@ -503,23 +503,23 @@ class Bus:
 
     async def durable(self, d: S.Durable, ack_wait_s: float = 60.0, max_deliver: int = -1,
                       deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL,
-                      max_ack_pending: int = 10_000, update: bool = False):
+                      max_ack_pending: int = 10_000, opt_start_seq: int | None = None, update: bool = False):
         """A pull subscription bound to the durable consumer `d` (schemas.subjects makes
-        every service's), created if missing. With `update` its config is also applied
-        to an existing consumer (a changed ack wait takes effect on restart)."""
+        every service's), created if missing (from stream sequence `opt_start_seq` when
+        given). With `update` its config is also applied to an existing consumer (a
+        changed ack wait takes effect on restart)."""
+        if opt_start_seq is not None:
+            deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
         cfg = api.ConsumerConfig(
             durable_name=d.name, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
             max_deliver=max_deliver, filter_subject=d.subject, deliver_policy=deliver_policy,
-            max_ack_pending=max_ack_pending,
+            max_ack_pending=max_ack_pending, opt_start_seq=opt_start_seq,
         )
         if update:
             await self._retry(f"consumer {d.name} on {d.stream}", self.js.add_consumer, d.stream,
                               config=dataclasses.replace(cfg, name=d.name))
         return await self._retry(f"consumer {d.name} on {d.stream}", self.js.pull_subscribe, d.subject,
                                  durable=d.name, stream=d.stream, config=cfg)
-
-    async def pull(self, stream: str, durable: str, filter_subject: str, **kw: Any):  # TEMPORARY-SHIM
-        return await self.durable(S.Durable(stream, durable, filter_subject), **kw)  # TEMPORARY-SHIM
 
     async def delete_durable(self, d: S.Durable) -> None:
         """Delete the durable consumer `d`; nothing when it does not exist."""

@@ -1,7 +1,17 @@
-"""The learner service: a job's training state (DeepSpeed) and its GRPO loop.
+"""The learner service: a job's training state (DeepSpeed) and its training loop.
 
-service.py (the loop), loss.py (GRPO objective), batching.py (trajectories -> tensors),
-checkpoint.py (save/resume), engine_deepspeed.py (the only module importing deepspeed).
+    service.py          a learner worker: assignments in, one job run at a time
+    lifecycle.py        what every job run shares: start, event follower, fencing,
+                        weights, checkpoints, finish (RunLifecycle)
+    job.py              a GRPO run (JobRun): ask for groups, wait, train a step, publish
+    ledger.py           trajectory bookkeeping, pure: held groups, duplicates, attempts,
+                        the stream floor a checkpoint resumes from
+    sft.py              an SFT run (SFTRun): a dataset file or a query over the log
+    evaluation.py       periodic evaluation episodes and their metrics
+    loss.py             the GRPO objective and turn-level credit
+    batching.py         trajectories -> padded tensors and advantages
+    checkpoint.py       save / resume through the object store
+    engine_deepspeed.py the only module importing deepspeed
 """
 
 import os

@@ -4,7 +4,7 @@ states, the step, the policy version and the trajectory-stream position.
 Where: object `<job_id>/latest` in the `ot_checkpoints` object store. A small state
 (a LoRA adapter and its optimizer state: a few MB) travels inside that object; a large
 one (full fine-tuning) is moved to `<home>/checkpoints/<job_id>/step-<n>/` and the
-object only points at it (DESIGN.md: weights never go through the bus when large).
+object only points at it (large weights never go through the bus).
 The object is one `torch.save` dict: {"format", "meta", "files" | "dir"}.
 
 The stream position makes a resume exact: every OT_TRAJ sequence up to `traj_floor`

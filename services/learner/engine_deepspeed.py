@@ -3,7 +3,7 @@ parameter) wrapped in a DeepSpeed engine. The only module that imports deepspeed
 
 One process, world size 1 (gloo on CPU, nccl on CUDA); ZeRO stage from the job spec;
 a client torch AdamW optimizer (DeepSpeed's CPU-Adam op would be compiled on first use,
-about 80 s on this machine, DESIGN.md). Gradients accumulate over micro-batches and the
+about 80 s on a 2-core CPU machine). Gradients accumulate over micro-batches and the
 optimizer steps once per training step.
 """
 

@@ -7,60 +7,41 @@ learner asks for `eval_episodes` single-episode groups of the env's `eval_split`
 problems are the same at every evaluation (their seeds depend only on the job's seed
 and the episode index), so the curve compares policies, not problem sets. The
 episodes travel the job's own rollout and trajectory subjects (the recorder logs them
-with their split); the learner tells them apart by request id
-(`<job>-eval-v<version>-r<run>-e<i>`, with the learner run that asked), so they never
-enter a training step, and a resumed run never counts a lost run's episodes.
+with their split). The learner routes by the trajectory's typed `purpose` ("eval",
+copied from the request): an evaluation's episode never enters a training step
+(Evaluator.claims); its `step` is the evaluated policy version. An evaluation counts only the episodes of the requests this run asked for
+(ids `<job>-eval-v<version>-r<run>-e<i>`, looked up, not parsed), so a resumed run
+never counts a lost run's.
 
-Metric keys: reward_mean, reward_std, correct_frac (episodes whose env info says
-`correct`, or, without that key, whose reward is > 0), episodes, gen_tokens_mean,
-turns_mean, error_frac. The Metrics message's `step` is the number of training steps
+Metric keys: schemas.stats.episode_stats (reward_mean, reward_std, correct_frac,
+episodes, episode_len_mean, gen_tokens_mean, turns_mean, error_frac), eval_time_s. The Metrics message's `step` is the number of training steps
 done, which is also the evaluated policy version.
 """
 
 from __future__ import annotations
 
-import hashlib
-import statistics
 import time
 
 import msgspec
 
 from opentinker.schemas import JobSpec, Metrics, RolloutRequest, Trajectory
+from opentinker.schemas.stats import derived_seed, episode_stats
 
 EVAL_SPLIT_METRICS = "eval"
 
 
 def eval_seed(seed: int, index: int) -> int:
     """The initial-state seed of eval episode `index`: fixed for the whole job."""
-    h = hashlib.blake2b(f"eval:{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFFFFFF
+    return derived_seed("eval", seed, index)
 
 
 def eval_prefix(job_id: str, version: int, run: str = "") -> str:
     return f"{job_id}-eval-v{version}-" + (f"r{run}-" if run else "")
 
 
-def parse_eval_request_id(job_id: str, request_id: str) -> int | None:
-    """The policy version of an eval request id, or None for a training request."""
-    head = f"{job_id}-eval-v"
-    if not request_id.startswith(head):
-        return None
-    version, _, rest = request_id[len(head):].partition("-")
-    return int(version) if version.isdigit() and rest else None
-
-
 def summarize(trajs: list[Trajectory]) -> dict[str, float]:
-    """The eval metric values of a set of episodes (see the module docstring)."""
-    rewards = [t.reward for t in trajs]
-    return {
-        "reward_mean": statistics.fmean(rewards),
-        "reward_std": statistics.pstdev(rewards),
-        "correct_frac": sum(t.correct for t in trajs) / len(trajs),
-        "episodes": float(len(trajs)),
-        "gen_tokens_mean": statistics.fmean(sum(t.loss_mask) for t in trajs),
-        "turns_mean": statistics.fmean(len(t.turns) for t in trajs),
-        "error_frac": sum(1 for t in trajs if t.error) / len(trajs),
-    }
+    """The eval metric values of a set of episodes: schemas.stats.episode_stats."""
+    return episode_stats(trajs)
 
 
 class Evaluator:
@@ -73,6 +54,7 @@ class Evaluator:
         self.attempt = attempt  # the placement attempt it runs under
         self.pending: dict[int, dict[str, Trajectory]] = {}  # version -> episode id -> traj
         self.started_s: dict[int, float] = {}
+        self.asked: set[str] = set()  # the request ids of this run's evaluations
 
     @property
     def enabled(self) -> bool:
@@ -92,21 +74,28 @@ class Evaluator:
         self.pending[version] = {}
         self.started_s[version] = time.monotonic()
         prefix = eval_prefix(self.job_id, version, self.run_id)
-        return [RolloutRequest(job_id=self.job_id, request_id=f"{prefix}e{i}", step=version, group_index=i,
+        reqs = [RolloutRequest(job_id=self.job_id, request_id=f"{prefix}e{i}", step=version, group_index=i,
                                group_seed=eval_seed(spec.seed, i), policy_version=version, model=spec.model,
                                env=spec.env, env_args=spec.env_args, group_size=1, sampling=sampling,
                                engine=spec.engine, split=spec.eval_split, attempt=self.attempt,
-                               policy_run=self.run_id)
+                               policy_run=self.run_id, purpose="eval")
                 for i in range(spec.eval_episodes)]
+        self.asked.update(r.request_id for r in reqs)
+        return reqs
+
+    def claims(self, traj: Trajectory) -> bool:
+        """Is `traj` an evaluation episode (this run's or a lost run's), never to be
+        trained on? Its `purpose` says so."""
+        return traj.purpose == "eval"
 
     def add(self, traj: Trajectory) -> Metrics | None:
         """Keep an eval episode; returns the evaluation's Metrics once all its episodes
         are in (and forgets it), else None. Episodes of an evaluation this run did not
         ask for (a lost run's, replayed after a resume) are ignored."""
-        v = parse_eval_request_id(self.job_id, traj.request_id)
-        if v is None or v not in self.pending or not traj.request_id.startswith(eval_prefix(self.job_id, v, self.run_id)):
+        v = traj.step  # an eval request's step is the policy version it evaluates
+        got = self.pending.get(v)
+        if got is None or traj.request_id not in self.asked:
             return None
-        got = self.pending[v]
         got[traj.episode_id] = traj
         if len(got) < self.spec.eval_episodes:
             return None

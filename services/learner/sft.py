@@ -40,7 +40,8 @@ from typing import Any
 from opentinker.schemas import JobSpec
 from opentinker.services.core.access import Tenant, confine_path
 from opentinker.services.learner.batching import Batch, micro_batches
-from opentinker.services.learner.job import JobRun
+from opentinker.services.learner.ledger import no_stream_meta
+from opentinker.services.learner.lifecycle import RunLifecycle
 
 log = logging.getLogger("opentinker.learner.sft")
 
@@ -330,12 +331,12 @@ def sft_batches(examples: Sequence[Example], micro_batch_size: int, pad_id: int)
 
 # -- the job ----------------------------------------------------------------------
 
-class SFTRun(JobRun):
+class SFTRun(RunLifecycle):
     """One SFT job on this learner, from its assignment to a terminal state.
 
-    Reuses JobRun's announce/cancel handling, weight publishing, checkpoints (with an
-    empty trajectory-stream position) and resume; the sampler position is a pure
-    function of (seed, step), so the step alone resumes it.
+    Shares the GRPO run's lifecycle (lifecycle.py: events and cancel, weight publishing,
+    checkpoints with an empty trajectory-stream position, resume); the sampler position
+    is a pure function of (seed, step), so the step alone resumes it.
 
     Metrics per step (split "train"): loss (mean NLL per loss token, nats), grad_norm,
     tokens, examples, epoch, step_time_s, train_time_s, tokens_per_s; plus
@@ -343,14 +344,14 @@ class SFTRun(JobRun):
     the whole slice (at most MAX_EVAL_EXAMPLES examples) before and after training.
     """
 
-    examples: list[Example]
-    eval_batches: list[Batch]
+    examples: list[Example]     # the training set, loaded by run()
+    eval_batches: list[Batch]   # what loss_full_before/after are measured on
 
     async def run(self) -> None:
         """Train `steps` SFT steps. Raises JobStopped (cancel or shutdown) or the error
         that failed the job (ValueError naming sft_data/sft_query for bad data)."""
         await self.start()
-        # self.tenant: the job's owner, read by JobRun.start
+        # self.tenant: the job's owner, read by start()
         self.examples = await self.in_engine(load_examples, self.spec, self.settings.home, self.engine.tokenizer,
                                              self.settings.log_dir, self.engine.vocab_size, MAX_TOKENS,
                                              self.tenant)
@@ -389,7 +390,7 @@ class SFTRun(JobRun):
         if self.step == spec.steps:
             extra["loss_full_after"] = (await self.in_engine(self.engine.sft_eval, self.eval_batches))["loss"]
         if self.checkpoint_due():
-            await self.save_checkpoint(s)
+            await self.save_checkpoint(s, no_stream_meta())
         step_s = time.monotonic() - t_start
         values = {
             "loss": out["loss"], "grad_norm": out["grad_norm"], "tokens": out["tokens"],

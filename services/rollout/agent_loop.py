@@ -402,5 +402,5 @@ class AgentLoop:
             token_ids=e.token_ids, loss_mask=e.loss_mask, logprobs=e.logprobs,
             prompt_len=e.prompt_len, turns=e.turns, reward=sum(t.reward for t in e.turns),
             policy_version=min((t.policy_version for t in e.turns), default=r.policy_version),
-            env=r.env, split=r.split, env_info=e.info, error=e.error, worker=self.worker,
+            env=r.env, split=r.split, purpose=r.purpose, env_info=e.info, error=e.error, worker=self.worker,
             engine=self.engine.name, gen_ms=e.gen_ms, env_ms=e.env_ms, created_s=time.time())

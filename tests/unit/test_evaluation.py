@@ -1,15 +1,17 @@
-"""Periodic evaluation: when it is due, what it asks for, how it is summarized."""
+"""Periodic evaluation: when it is due, what it asks for, how its episodes are told from
+training ones, how it is summarized."""
 
 from opentinker.schemas import JobSpec, Trajectory, TurnRecord
-from opentinker.services.learner.evaluation import Evaluator, parse_eval_request_id
+from opentinker.services.learner.evaluation import Evaluator
 
 
-def traj(req_id: str, ep: str, reward: float, correct=None) -> Trajectory:
+def traj(req_id: str, ep: str, reward: float, correct=None, step: int = 0, split: str = "test",
+         purpose: str = "eval") -> Trajectory:
     info = {} if correct is None else {"correct": correct}
-    return Trajectory(job_id="j", request_id=req_id, episode_id=ep, step=0, group_index=0, group_size=1,
+    return Trajectory(job_id="j", request_id=req_id, episode_id=ep, step=step, group_index=0, group_size=1,
                       token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -1, -1], prompt_len=1,
                       turns=[TurnRecord(gen_start=1, gen_end=3, obs_end=3, reward=reward)], reward=reward,
-                      policy_version=0, env_info=info, split="test")
+                      policy_version=0, env_info=info, split=split, purpose=purpose)
 
 
 def test_due_at_start_every_n_and_at_the_end():
@@ -32,18 +34,32 @@ def test_requests_are_greedy_single_episodes_of_the_same_problems():
 def test_metrics_once_every_episode_is_in():
     ev = Evaluator("j", JobSpec(steps=2, eval_every=1, eval_episodes=2))
     ev.requests(1)
-    assert ev.add(traj("j-eval-v1-e0", "j-eval-v1-e0-e0", 1.0, correct=True)) is None
-    assert ev.add(traj("j-eval-v9-e0", "x", 1.0)) is None  # not asked for: ignored
-    m = ev.add(traj("j-eval-v1-e1", "j-eval-v1-e1-e0", 0.0, correct=False))
+    assert ev.add(traj("j-eval-v1-e0", "j-eval-v1-e0-e0", 1.0, correct=True, step=1)) is None
+    assert ev.add(traj("j-eval-v9-e0", "x", 1.0, step=9)) is None  # not asked for: ignored
+    m = ev.add(traj("j-eval-v1-e1", "j-eval-v1-e1-e0", 0.0, correct=False, step=1))
     assert m is not None and m.split == "eval" and m.step == 1 and m.policy_version == 1
     assert m.values["reward_mean"] == 0.5 and m.values["correct_frac"] == 0.5
     assert m.values["episodes"] == 2.0 and not ev.pending
 
 
-def test_eval_request_ids_are_told_apart_from_training_ones():
-    assert parse_eval_request_id("j", "j-eval-v12-e3") == 12
-    assert parse_eval_request_id("j", "j-s3-g1") is None
-    assert parse_eval_request_id("j", "j-eval-vx-e3") is None
+def test_eval_episodes_are_told_apart_from_training_ones_by_their_purpose():
+    ev = Evaluator("j", JobSpec(steps=2, eval_every=1, eval_episodes=1), run="r1")
+    assert not ev.claims(traj("j-s0-g0-rr1", "a", 1.0, split="train", purpose="train"))
+    # a lost run's eval episode is claimed (never trained on) but not counted
+    lost = traj("j-eval-v0-rr0-e0", "b", 1.0)
+    assert ev.claims(lost)
+    ev.requests(0)
+    assert ev.add(lost) is None and 0 in ev.pending
+    m = ev.add(traj("j-eval-v0-rr1-e0", "c", 1.0))
+    assert m is not None and m.step == 0 and m.values["episodes"] == 1.0
+
+
+def test_an_eval_split_of_train_is_still_an_evaluation():
+    ev = Evaluator("j", JobSpec(steps=2, eval_every=1, eval_episodes=1, eval_split="train"), run="r1")
+    [req] = ev.requests(1)
+    assert req.split == "train" and req.purpose == "eval"
+    assert ev.claims(traj(req.request_id, "a", 1.0, step=1, split="train", purpose=req.purpose))
+    assert not ev.claims(traj("j-s1-g0-rr1", "b", 1.0, step=1, split="train", purpose="train"))
 
 
 def test_an_episode_without_a_correct_flag_counts_by_its_reward():
