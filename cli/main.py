@@ -33,4 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     if args.cmd in ("serve", "envhost"):
         sys.argv = [f"opentinker {args.cmd}", *args.rest]
-    return args.fn(args) or 0
+    try:
+        return args.fn(args) or 0
+    except ModuleNotFoundError as e:
+        # a client-only install runs the user commands; the others need an extra
+        top = (e.name or "").split(".")[0]
+        if not top or top == "opentinker":
+            raise
+        raise SystemExit(f"opentinker {args.cmd}: the Python package {top!r} is not installed; this command "
+                         "needs an extra of opentinker (pip install 'opentinker[server]', or [plot], [wandb])") from None
