@@ -204,7 +204,8 @@ def _value(spec: JobSpec | dict[str, Any], dotted: str) -> Any:
 
 def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
     """Check the ranges (RANGES, which decoding enforces too) and the sizes msgspec's
-    type check cannot express (the MAX_* sizes). `kind` is the job's: "train" or "inference" (SubmitJob.kind).
+    type check cannot express (the MAX_* sizes). `kind` is the job's: "train" or
+    "inference" (SubmitJob.kind).
 
     A GRPO training job must sample with `sampling.top_p` 1: the sampler's logprobs
     would be under the nucleus-truncated, renormalized distribution while the learner

@@ -194,7 +194,7 @@ def traj_durable(job_id: str) -> Durable:
 
 def scheduler_events_durable(pool: str) -> Durable:
     """Every job's events, read by the scheduler of `pool`."""
-    return Durable(STREAM_EVENTS, f"scheduler-events-{check_worker_id(pool)}", "ot.job.*.events")
+    return Durable(STREAM_EVENTS, f"scheduler-events-{check_worker_id(pool)}", STREAMS[STREAM_EVENTS][0][0])
 
 
 def recorder_durable(name: str, stream: str) -> Durable:

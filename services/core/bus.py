@@ -85,6 +85,13 @@ class MessageRefused(Exception):
     and terminates it instead of redelivering it."""
 
 
+def undecodable(kind: type, e: msgspec.MsgspecError) -> str:
+    """The dead-letter reason of a message that does not decode as `kind`, naming the
+    field when msgspec's error does."""
+    field = error_field(e) if isinstance(e, msgspec.ValidationError) else ""
+    return f"cannot decode {kind.__name__}: " + (f"`{field}`: " if field else "") + str(e)
+
+
 def reply_allowed(subject: str | None) -> bool:
     """Whether a service may answer a request on reply subject `subject`: only a
     client's inbox (`_INBOX.`...). A service publishes with service rights, so a reply
@@ -454,7 +461,7 @@ class Bus:
         try:
             req = decode(m.data, kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            await self.dead_letter(m, f"cannot decode {kind.__name__}: {e}")
+            await self.dead_letter(m, undecodable(kind, e))
             return
         # a server span continuing the requester's trace (e.g. rollout -> envhost)
         with tracing.span(f"{self.service} {kind.__name__}", parent=tracing.extract(m.headers),
@@ -544,8 +551,7 @@ class Bus:
         try:
             return decode(m.data, kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            field = error_field(e) if isinstance(e, msgspec.ValidationError) else ""
-            await self.dead_letter(m, f"cannot decode {kind.__name__}: " + (f"`{field}`: " if field else "") + str(e))
+            await self.dead_letter(m, undecodable(kind, e))
             await m.term()
             return None
 

@@ -39,11 +39,6 @@ def eval_prefix(job_id: str, version: int, run: str = "") -> str:
     return f"{job_id}-eval-v{version}-" + (f"r{run}-" if run else "")
 
 
-def summarize(trajs: list[Trajectory]) -> dict[str, float]:
-    """The eval metric values of a set of episodes: schemas.stats.episode_stats."""
-    return episode_stats(trajs)
-
-
 class Evaluator:
     """The evaluations of one job: which are due, their requests, and their results."""
 
@@ -100,7 +95,7 @@ class Evaluator:
         if len(got) < self.spec.eval_episodes:
             return None
         del self.pending[v]
-        values = summarize(list(got.values()))
+        values = episode_stats(list(got.values()))
         values["eval_time_s"] = time.monotonic() - self.started_s.pop(v)
         return Metrics(job_id=self.job_id, step=v, policy_version=v, split=EVAL_SPLIT_METRICS,
                        values=values, time_s=time.time())

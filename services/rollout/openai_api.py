@@ -119,7 +119,7 @@ def make_app(worker: RolloutWorker) -> FastAPI:
         ids = prompt_of(slot.engine.tokenizer)
         loop = asyncio.get_running_loop()
         async with slot.lock:
-            version = await worker.ensure_policy(slot, rec.job_id, 0)
+            version = await worker.policies.ensure_policy(slot, rec.job_id, 0)
             try:
                 out = (await loop.run_in_executor(slot.executor, slot.engine.generate, [ids], sampling))[0]
             except ValueError as e:  # a prompt that leaves no room

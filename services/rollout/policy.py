@@ -45,7 +45,7 @@ from nats.js.errors import NotFoundError
 from opentinker.schemas import WeightsPublished, decode
 from opentinker.schemas import subjects as S
 from opentinker.services.core import tracing
-from opentinker.services.core.bus import Bus
+from opentinker.services.core.bus import Bus, undecodable
 from opentinker.services.rollout.weights import (
     BaseWeights,
     HeldWeights,
@@ -125,7 +125,7 @@ class PolicyTracker:
         try:
             ev = decode(m.data, WeightsPublished)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            await self.bus.dead_letter(m, f"cannot decode WeightsPublished: {e}")
+            await self.bus.dead_letter(m, undecodable(WeightsPublished, e))
             return
         if ev.job_id != S.job_id_of(m.subject):
             await self.bus.dead_letter(m, f"WeightsPublished.job_id: {ev.job_id!r} on {m.subject}")

@@ -142,10 +142,6 @@ class RolloutWorker:
         for slot in self.engines.values():
             slot.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def ensure_policy(self, slot: EngineSlot, job_id: str, at_least: int, run: str = "") -> int:
-        """`slot`'s engine on the job's latest policy; see PolicyTracker.ensure_policy."""
-        return await self.policies.ensure_policy(slot, job_id, at_least, run)
-
     # -- engines --
 
     async def engine_for(self, req: RolloutRequest) -> EngineSlot:

@@ -2,6 +2,7 @@
 extra the install lacks stops with one line naming it and the extra."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,4 +21,4 @@ def test_a_bad_set_override_is_named():
     from opentinker.cli.common import load_job_config
 
     with pytest.raises(SystemExit, match="--set 'steps': expected KEY=VALUE"):
-        load_job_config("examples/arith_grpo.toml", ["steps"])
+        load_job_config(str(Path(__file__).resolve().parents[2] / "examples" / "arith_grpo.toml"), ["steps"])
