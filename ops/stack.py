@@ -7,7 +7,10 @@ OPENTINKER_ADMIN_KEY(_FILE) names one, and the NATS keys in `<home>/nats/auth/` 
 0600): the services connect with the service nkey, the scheduler answers the auth callout
 for API-key users (services/core/natsauth.py). The CLI and SDK on this machine use the
 stack's service nkey (its owner runs the stack); other users connect with an API key.
-Every child is stopped by its own PID.
+Every child is stopped by its own PID. Each child gets OMP_NUM_THREADS and
+MKL_NUM_THREADS by services.core.config.thread_count: 1 for the scheduler, envhost and
+recorder, the libraries' defaults for the learner and rollout worker, unless
+OPENTINKER_<SERVICE>_THREADS, a `threads=N` override or OPENTINKER_THREADS says otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from opentinker.services.core.config import thread_count, thread_env
 from opentinker.services.core.nats_server import NatsServer, free_port
 
 SERVICES = ("scheduler", "envhost", "recorder", "rollout", "learner")
@@ -74,10 +78,23 @@ class Stack:
                 f.write("otk-" + secrets.token_urlsafe(32) + "\n")
         return path
 
+    def child_env(self, name: str) -> dict[str, str]:
+        """The environment service `name` is started with: this process's, the stack's
+        NATS and home, and its thread count (config.thread_count; a `threads=N` in its
+        overrides counts as configured). Raises ValueError for a bad thread count."""
+        env = dict(os.environ, NATS_URL=self.nats_url or "", OPENTINKER_HOME=str(self.home),
+                   PYTHONUNBUFFERED="1")
+        configured = [o.partition("=")[2] for o in self.overrides.get(name, []) if o.startswith("threads=")]
+        try:
+            n = thread_count(name, env, int(configured[-1]) if configured else 0)
+        except ValueError as e:  # int() of a bad override, or a bad count
+            raise ValueError(f"{name}: bad thread count: {e}") from None
+        env.update(thread_env(n))
+        return env
+
     def spawn(self, name: str) -> subprocess.Popen:
         """Start (or restart) service `name` as a child process logging to <home>/logs."""
-        env = dict(os.environ, NATS_URL=self.nats_url, OPENTINKER_HOME=str(self.home),
-                   PYTHONUNBUFFERED="1")
+        env = self.child_env(name)
         if name == "scheduler" and not (env.get("OPENTINKER_ADMIN_KEY") or env.get("OPENTINKER_ADMIN_KEY_FILE")):
             env["OPENTINKER_ADMIN_KEY_FILE"] = str(self.admin_key_file())
         if self.server is not None and self.server.auth:

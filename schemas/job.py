@@ -29,6 +29,10 @@ class SpecError(ValueError):
 
 # the generation engine a job asks for ("auto": vLLM when it can run the model, else transformers)
 Engine = Literal["auto", "vllm", "hf"]
+# how group-relative advantages are formed (loss.group_advantages)
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+# how per-token losses become the step's loss (loss.aggregation_weights; verl's loss_agg_mode)
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
 def Bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
@@ -79,6 +83,32 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     Placement: the scheduler runs the job on one learner and `rollout_workers` rollout
     workers of its pool (an inference job: rollout workers only).
 
+    Asynchrony: `max_staleness` = 1 (the default) samples step s+1 with policy s while
+    step s trains; `rollout_is` corrects for it (and for the sampler/learner numeric
+    gap): the PPO ratio is taken against the learner's own logprobs before the update
+    (the proximal policy) and each token (or sequence) is weighted by proximal /
+    behaviour (the sampler's) probability, truncated at `rollout_is_threshold`
+    ("truncate", TIS) or zeroed beyond it ("mask"). "none": the sampler's logprobs are
+    PPO's old policy. Sources: decoupled PPO, AReaL arXiv 2505.24298 eq. 5; truncated
+    importance sampling, Yao et al. 2025, "Your efficient RL framework secretly brings
+    you off-policy RL training"; verl's rollout-correction docs.
+
+    The objective (loss.py; each option's source in its docstring): the estimator of
+    the advantage (`advantage_estimator`: GRPO, Dr. GRPO, RLOO, REINFORCE++); PPO's clip
+    [1 - clip_range, 1 + clip_range_high] (clip-higher, DAPO) and `dual_clip`; the
+    sequence-level ratio of GSPO (`importance_sampling_level = "sequence"`); the loss
+    aggregation (`loss_agg`, verl's names); the KL estimator k1/k2/k3 to the reference
+    as a loss term or, with `kl_in_reward`, subtracted from the reward; an entropy bonus;
+    the learning-rate schedule after `lr_warmup_steps` (in steps); `ppo_epochs` passes
+    over each step's episodes in `mini_batches` optimizer updates each; overlong
+    episodes (the last turn cut by the token limit) left out (`overlong_filter`) or
+    penalized softly over the last `overlong_buffer` tokens (DAPO arXiv 2503.14476
+    §3.4). Groups whose advantages are all 0 (equal rewards) are not forwarded at all
+    when no other loss term needs them (`skip_zero_variance`).
+    Micro-batches hold at most `micro_batch_size` episodes and, with
+    `micro_batch_tokens` > 0, at most that many padded tokens (episodes sorted by
+    length, so padding is small).
+
     SFT (`algorithm = "sft"`): supervised fine-tuning, `steps` optimizer steps of
     `sft_batch_size` examples, from `sft_data` (a JSONL or Parquet file on the
     learner's machine: `messages` in chat format, or `prompt` and `completion`) or from
@@ -104,8 +134,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_grad_norm: Bounded(float, 0, 1e6, lo_open=True) = 1.0
     kl_coef: Bounded(float, 0, 100) = 0.0
     clip_range: Bounded(float, 0, 1, lo_open=True, hi_open=True) = 0.2
-    max_staleness: Bounded(int, 0, 16, note="0 = strictly on-policy") = 0
+    max_staleness: Bounded(int, 0, 16, note="0 = strictly on-policy") = 1
     micro_batch_size: Bounded(int, 1, 4096) = 8
+    micro_batch_tokens: Bounded(int, 0, 16_777_216, note="0 = micro_batch_size episodes per micro-batch") = 0
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     seed: Bounded(int, 0, 2**63 - 1) = 0
     checkpoint_every: Bounded(int, 1, 1_000_000) = 10
@@ -122,6 +153,26 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sft_query: str = ""
     sft_batch_size: Bounded(int, 1, 4096) = 16
     rollout_workers: Bounded(int, 1, 64) = 1
+    # -- the objective (loss.py): options named as in verl / TRL, each citing its source
+    advantage_estimator: AdvantageEstimator = "grpo"
+    clip_range_high: Bounded(float, 0, 10, note="0 = clip_range (symmetric)") = 0.0
+    dual_clip: Bounded(float, 0, 100, note="0 = off, else > 1") = 0.0
+    loss_agg: LossAgg = "token-mean"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    rollout_is: Literal["none", "token", "sequence"] = "token"
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    rollout_is_threshold: Bounded(float, 1, 1e6, lo_open=True) = 2.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: Bounded(float, 0, 10) = 0.0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: Bounded(int, 0, 1_000_000) = 0
+    ppo_epochs: Bounded(int, 1, 64) = 1
+    mini_batches: Bounded(int, 1, 1024) = 1
+    skip_zero_variance: bool = True
+    overlong_filter: bool = False
+    overlong_buffer: Bounded(int, 0, 131_072, note="0 = no soft overlong penalty") = 0
+    overlong_penalty: Bounded(float, 0, 100) = 1.0
     # a group not complete this long after the learner asked is asked again (counting
     # toward the learner's attempt limit): a lost or refused request never hangs a job
     rollout_timeout_s: Bounded(float, 0, 86_400, lo_open=True) = 600.0
@@ -242,6 +293,13 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
     if spec.algorithm == "sft":
         _check(bool(spec.sft_data) != bool(spec.sft_query), "sft_data",
                "an SFT job needs exactly one of sft_data (a dataset file) or sft_query (SQL over the log)")
+    _check(spec.dual_clip == 0 or spec.dual_clip > 1, "dual_clip",
+           f"must be 0 (off) or > 1 (got {spec.dual_clip!r}): the bound is c * |A| with c > 1, arXiv 1912.09729")
+    if spec.algorithm == "grpo":
+        _check(spec.mini_batches <= spec.episodes_per_step, "mini_batches",
+               f"must be at most the step's {spec.episodes_per_step} episodes (got {spec.mini_batches})")
+        _check(spec.overlong_buffer < max_generated_tokens(spec), "overlong_buffer",
+               f"must be below the episode's generation budget {max_generated_tokens(spec)} (got {spec.overlong_buffer})")
     s = spec.sampling
     _check(s.max_total_tokens > s.max_new_tokens, "sampling.max_total_tokens",
            "must exceed sampling.max_new_tokens")
@@ -251,6 +309,14 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
                "the nucleus, so the sampler's logprobs and the learner's would be of different "
                "distributions and the importance ratio would be wrong (inference jobs may use top_p < 1)")
     return spec
+
+
+def max_generated_tokens(spec: JobSpec) -> int:
+    """The most policy tokens one episode can hold: max_new_tokens per turn over
+    max_turns turns, at most max_total_tokens - 1 (DAPO's L_max, Dr. GRPO's constant
+    normalizer)."""
+    s = spec.sampling
+    return min(s.max_new_tokens * s.max_turns, s.max_total_tokens - 1)
 
 
 def _range_reason(r: Range, x: object) -> str:

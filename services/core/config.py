@@ -8,6 +8,7 @@ import contextlib
 import os
 import tomllib
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -66,6 +67,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # stream's max_bytes and max_age times these; set them alike for every service
     stream_max_bytes_scale: float = 1.0
     stream_max_age_scale: float = 1.0
+    # intra-op threads (torch, OpenMP, MKL) of this service; 0: the default of
+    # thread_count (1 for services without tensor math, the libraries' own otherwise)
+    threads: int = 0
 
     @property
     def log_dir(self) -> Path:
@@ -128,6 +132,53 @@ def main_settings(service: str, argv: list[str] | None = None) -> Settings:
     logging.basicConfig(level=settings.log_level,
                         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
     return settings
+
+
+# -- threads ---------------------------------------------------------------------
+# Every service is its own process, and torch, OpenMP and MKL each default to one
+# thread per core, so on a small machine the learner's and rollout's math competes with
+# idle thread pools in services that never multiply a matrix. Policy (thread_count):
+# services without tensor math run 1 intra-op thread; the learner and rollout worker
+# keep the libraries' defaults (torch: one per physical core) unless told otherwise.
+
+LIGHT_SERVICES = frozenset({"scheduler", "recorder", "envhost"})  # the REST API runs in the scheduler
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read by torch, numpy and Arrow when they start
+
+
+def thread_count(service: str, env: Mapping[str, str], configured: int = 0) -> int | None:
+    """The intra-op thread count for `service`, or None for the libraries' default.
+
+    First of: `OPENTINKER_<SERVICE>_THREADS` in `env` (e.g. OPENTINKER_LEARNER_THREADS),
+    `configured` (Settings.threads: a `threads=N` override, TOML, or OPENTINKER_THREADS),
+    OPENTINKER_THREADS in `env`, then 1 for LIGHT_SERVICES and None (all cores) for the
+    rest. 0 or empty means unset. Pure. Raises ValueError for a value that is not an
+    integer >= 0.
+
+    vLLM on CPU binds its own OpenMP threads (VLLM_CPU_OMP_THREADS_BIND, default "auto")
+    and ignores torch.set_num_threads after that (vLLM 0.32 cpu_worker.py), so for a
+    rollout worker running vLLM on CPU use VLLM_CPU_OMP_THREADS_BIND to limit it.
+    """
+
+    def count(name: str, raw: str | int) -> int:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: expected a thread count (integer >= 0)") from None
+        if n < 0:
+            raise ValueError(f"{name}={raw!r}: expected a thread count (integer >= 0)")
+        return n
+
+    per_service = f"OPENTINKER_{service.upper()}_THREADS"
+    for name, raw in ((per_service, env.get(per_service) or 0), ("threads", configured),
+                      ("OPENTINKER_THREADS", env.get("OPENTINKER_THREADS") or 0)):
+        if n := count(name, raw):
+            return n
+    return 1 if service in LIGHT_SERVICES else None
+
+
+def thread_env(n: int | None) -> dict[str, str]:
+    """The environment variables that give a new process `n` intra-op threads ({} for None)."""
+    return {} if n is None else {var: str(n) for var in THREAD_ENV_VARS}
 
 
 # -- where, and as whom, to connect ------------------------------------------------

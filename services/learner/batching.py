@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from opentinker.schemas import Trajectory
-from opentinker.services.learner.loss import group_advantages, turn_advantages
+from opentinker.services.learner.loss import batch_scale, group_advantages, turn_advantages
 
 
 class Batch(NamedTuple):
@@ -87,61 +87,102 @@ class StepAdvantages(NamedTuple):
     advantages: [n_episodes] of float (episode credit) or of [len(token_ids)] lists
                 (turn credit, token_advantages); 0 for an excluded episode
     excluded:   [n_episodes] bool, True where the episode must not train (loss mask 0)
+    zero_groups: [n_groups] bool, True where every episode's advantage is exactly 0
+                (equal rewards, or no episode left to compare): no policy gradient
     """
 
     advantages: list[Advantage]
     excluded: list[bool]
+    zero_groups: list[bool] = []
 
     @property
     def excluded_frac(self) -> float:
         """Episodes excluded / episodes in the step (0.0 for an empty step)."""
         return sum(self.excluded) / len(self.excluded) if self.excluded else 0.0
 
+    @property
+    def zero_variance_frac(self) -> float:
+        """Groups without any policy-gradient signal / groups (0.0 for none)."""
+        return sum(self.zero_groups) / len(self.zero_groups) if self.zero_groups else 0.0
+
+
+def _is_zero(a: Advantage) -> bool:
+    return not any(a) if isinstance(a, Sequence) else a == 0.0
+
 
 def step_advantages(trajs: Sequence[Trajectory], prompts_per_step: int, group_size: int,
-                    credit: str = "episode", turn_discount: float = 1.0) -> StepAdvantages:
+                    credit: str = "episode", turn_discount: float = 1.0, estimator: str = "grpo",
+                    reward_bonus: Sequence[float] | None = None,
+                    mask_out: Sequence[bool] | None = None) -> StepAdvantages:
     """Group-relative advantages of a step, leaving out episodes that ended on an error.
 
     trajs: [prompts_per_step * group_size] episodes, group g at [g * group_size, (g + 1) *
-    group_size). credit "episode": one float per episode, GRPO's (r_i - mean) / (std +
-    1e-6) (loss.group_advantages; Shao et al. 2024, arXiv 2402.03300, eq. 3); "turn": a
-    per-token list per episode, loss.turn_advantages with `turn_discount` spread over
-    each turn's policy tokens.
+    group_size). credit "episode": one float per episode, loss.group_advantages with
+    `estimator` (GRPO's (r_i - mean) / (std + 1e-6) by default; Shao et al. 2024, arXiv
+    2402.03300, eq. 3); "turn": a per-token list per episode, loss.turn_advantages with
+    `turn_discount` spread over each turn's policy tokens. "reinforce_pp" then scales
+    the whole step by loss.batch_scale.
+    reward_bonus: [n_episodes] added to each episode's reward (its last turn's, with
+    turn credit) before the advantages: the KL-in-reward penalty, DAPO's soft overlong
+    penalty. mask_out: [n_episodes] True for an episode that counts in its group's
+    statistics but is not trained (DAPO's overlong filtering, arXiv 2503.14476 §3.4).
     An episode with a non-empty `error` (an environment or engine failure) is excluded:
     its reward says nothing about the policy, so the group's mean and std are those of
     the group's other episodes, and it gets advantage 0 and loss mask 0. A group left
     with fewer than 2 such episodes has no baseline to compare with: every episode of it
     is excluded (no gradient, not even the KL term's).
-    Raises ValueError when len(trajs) != prompts_per_step * group_size or `credit` is
-    neither "episode" nor "turn".
+    Raises ValueError when len(trajs) != prompts_per_step * group_size, the other
+    sequences' lengths differ from it, or `credit` is neither "episode" nor "turn".
     """
-    if len(trajs) != prompts_per_step * group_size:
+    n = prompts_per_step * group_size
+    if len(trajs) != n:
         raise ValueError(f"{len(trajs)} episodes for {prompts_per_step} groups of {group_size}")
     if credit not in ("episode", "turn"):
         raise ValueError(f"credit must be 'episode' or 'turn', got {credit!r}")
+    for name, seq in (("reward_bonus", reward_bonus), ("mask_out", mask_out)):
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{name}: {len(seq)} values for {n} episodes")
+    bonus = list(reward_bonus) if reward_bonus is not None else [0.0] * n
     advantages: list[Advantage] = []
     excluded: list[bool] = []
+    zero_groups: list[bool] = []
+    whole: list[float] = []  # kept episodes' whole-return advantages (REINFORCE++'s scale)
     for g in range(prompts_per_step):
-        group = trajs[g * group_size:(g + 1) * group_size]
-        kept = [t for t in group if not t.error]
+        idx = range(g * group_size, (g + 1) * group_size)
+        kept = [i for i in idx if not trajs[i].error]
         if len(kept) < 2:
             kept = []  # one episode is its own mean: GRPO's baseline needs >= 2
         adv_kept: list[Advantage] = []
         if kept and credit == "turn":
-            [per_turn] = turn_advantages([[[turn.reward for turn in t.turns] for t in kept]], turn_discount)
-            adv_kept = [token_advantages(t, a) for t, a in zip(kept, per_turn)]
+            turn_rewards = []
+            for i in kept:
+                r = [turn.reward for turn in trajs[i].turns] or [0.0]
+                r[-1] += bonus[i]
+                turn_rewards.append(r if trajs[i].turns else [])
+            [per_turn] = turn_advantages([turn_rewards], turn_discount, estimator)
+            adv_kept = [token_advantages(trajs[i], a) if trajs[i].turns else [0.0] * len(trajs[i].token_ids)
+                        for i, a in zip(kept, per_turn)]
+            whole += [a[0] if a else 0.0 for i, a in zip(kept, per_turn) if not (mask_out and mask_out[i])]
         elif kept:
-            rewards = torch.tensor([[t.reward for t in kept]], dtype=torch.float64)
-            adv_kept = group_advantages(rewards).view(-1).tolist()
-        it = iter(adv_kept)
-        for t in group:
-            keep = bool(kept) and not t.error
-            if keep:
-                advantages.append(next(it))
+            rewards = torch.tensor([[trajs[i].reward + bonus[i] for i in kept]], dtype=torch.float64)
+            adv_kept = group_advantages(rewards, estimator).view(-1).tolist()
+            whole += [a for i, a in zip(kept, adv_kept) if not (mask_out and mask_out[i])]
+        by_index = dict(zip(kept, adv_kept))
+        for i in idx:
+            if i in by_index:
+                advantages.append(by_index[i])
+                excluded.append(bool(mask_out[i]) if mask_out is not None else False)
             else:
-                advantages.append([0.0] * len(t.token_ids) if credit == "turn" else 0.0)
-            excluded.append(not keep)
-    return StepAdvantages(advantages, excluded)
+                advantages.append([0.0] * len(trajs[i].token_ids) if credit == "turn" else 0.0)
+                excluded.append(True)
+        zero_groups.append(all(excluded[i] or _is_zero(advantages[i]) for i in idx))
+    if estimator == "reinforce_pp":
+        scale = batch_scale(whole)
+        advantages = [[x * scale for x in a] if isinstance(a, Sequence) else a * scale for a in advantages]
+    for i, ex in enumerate(excluded):
+        if ex:
+            advantages[i] = [0.0] * len(trajs[i].token_ids) if credit == "turn" else 0.0
+    return StepAdvantages(advantages, excluded, zero_groups)
 
 
 def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pad_id: int,
@@ -191,18 +232,49 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pa
     return Batch(input_ids, attention_mask, loss_mask, logprobs, adv * loss_mask)
 
 
-def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], micro_batch_size: int,
-                  pad_id: int, exclude: Sequence[bool] | None = None) -> list[Batch]:
-    """Split a step's episodes into Batches of at most `micro_batch_size`, grouping
-    episodes of similar length so that little compute goes to padding (the gradient is
-    a sum over episodes, so order does not matter). `exclude` as in build_batch.
-    """
+def micro_batch_indices(lengths: Sequence[int], micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
+    """The episodes (indices into `lengths`, tokens per episode) of each micro-batch:
+    sorted by length, at most `micro_batch_size` per batch and, with `max_tokens` > 0,
+    at most that many padded tokens (B * T). Raises ValueError for micro_batch_size < 1."""
     if micro_batch_size < 1:
         raise ValueError("micro_batch_size must be >= 1")
-    order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))
-    out = []
-    for k in range(0, len(order), micro_batch_size):
-        idx = order[k: k + micro_batch_size]
-        out.append(build_batch([trajs[i] for i in idx], [advantages[i] for i in idx], pad_id,
-                               None if exclude is None else [exclude[i] for i in idx]))
-    return out
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        cur = groups[-1] if groups else None
+        n = max(2, lengths[i])  # sorted: the longest of the batch so far
+        if cur is None or len(cur) >= micro_batch_size or (max_tokens > 0 and (len(cur) + 1) * n > max_tokens):
+            groups.append([i])
+        else:
+            cur.append(i)
+    return groups
+
+
+def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], micro_batch_size: int,
+                  pad_id: int, exclude: Sequence[bool] | None = None, max_tokens: int = 0) -> list[Batch]:
+    """Split episodes into Batches of at most `micro_batch_size` episodes and, with
+    `max_tokens` > 0, at most that many padded tokens (B * T; an episode longer than
+    that gets a Batch of its own). Episodes are sorted by length so that little compute
+    goes to padding (length packing; the gradient is a sum over episodes, so order does
+    not matter; micro_batch_indices). `exclude` as in build_batch.
+    """
+    groups = micro_batch_indices([len(t.token_ids) for t in trajs], micro_batch_size, max_tokens)
+    return [build_batch([trajs[i] for i in idx], [advantages[i] for i in idx], pad_id,
+                        None if exclude is None else [exclude[i] for i in idx]) for idx in groups]
+
+
+def update_plan(episodes: Sequence[int], mini_batches: int, epochs: int, seed: int) -> list[list[int]]:
+    """Which episodes each optimizer update of a step trains on: `epochs` passes over
+    the episodes, each split into `mini_batches` updates of near-equal size (PPO's
+    epochs and mini-batches, arXiv 1707.06347 Alg. 1; verl's ppo_epochs and
+    ppo_mini_batch_size). The episodes are shuffled once per step, by a generator
+    seeded with `seed` (deterministic), and every epoch reuses the same mini-batches
+    (so their micro-batches are built once). Returns [epochs * k] lists of episode
+    indices, k = min(mini_batches, len(episodes)); [] for no episode.
+    """
+    if not episodes:
+        return []
+    g = torch.Generator().manual_seed(seed)
+    perm = [episodes[i] for i in torch.randperm(len(episodes), generator=g).tolist()] if mini_batches > 1 else list(episodes)
+    k = min(mini_batches, len(perm))
+    parts = [perm[j * len(perm) // k:(j + 1) * len(perm) // k] for j in range(k)]
+    return [p for _ in range(epochs) for p in parts]

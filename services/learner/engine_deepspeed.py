@@ -3,8 +3,11 @@ parameter) wrapped in a DeepSpeed engine. The only module that imports deepspeed
 
 One process, world size 1 (gloo on CPU, nccl on CUDA); ZeRO stage from the job spec;
 a client torch AdamW optimizer (DeepSpeed's CPU-Adam op would be compiled on first use,
-about 80 s on a 2-core CPU machine). Gradients accumulate over micro-batches and the
-optimizer steps once per training step.
+about 80 s on a 2-core CPU machine). Gradients accumulate over a variable number of
+micro-batches (the accumulation boundary is set by hand, DeepSpeed's
+`set_gradient_accumulation_boundary`), and the optimizer steps once per update.
+Logits are computed only over the span of positions that hold policy tokens
+(`logits_to_keep`), and the softmax only at those positions.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import copy
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,7 +27,8 @@ from opentinker.schemas import JobSpec
 from opentinker.services.core import tracing
 from opentinker.services.core.nats_server import free_port
 from opentinker.services.learner.batching import Batch
-from opentinker.services.learner.loss import grpo_loss, token_logprobs
+from opentinker.services.learner.loss import (AggTotals, LossConfig, aggregation_weights, policy_loss,
+                                              selected_logprobs)
 
 log = logging.getLogger("opentinker.learner.engine")
 
@@ -68,8 +73,7 @@ class TrainEngine:
         self.spec = spec
         self.device = device
         self.kind = "lora" if spec.lora_rank > 0 else "full"
-        self.batch_size = spec.episodes_per_step
-        self.n_micro = math.ceil(self.batch_size / spec.micro_batch_size)
+        self.loss_cfg = LossConfig.from_spec(spec)
         dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -95,9 +99,10 @@ class TrainEngine:
         self.n_trainable = sum(p.numel() for p in params)  # before ZeRO-3 partitions them
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
         config = {
+            # accumulation over a variable number of micro-batches: boundaries by hand
             "train_micro_batch_size_per_gpu": spec.micro_batch_size,
-            "gradient_accumulation_steps": self.n_micro,
-            "train_batch_size": spec.micro_batch_size * self.n_micro,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": spec.micro_batch_size,
             "gradient_clipping": spec.max_grad_norm,
             "zero_optimization": {"stage": spec.zero_stage},
             "zero_allow_untested_optimizer": True,
@@ -106,8 +111,8 @@ class TrainEngine:
             "wall_clock_breakdown": False,
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        log.info("engine ready: %s, %d trainable parameters, ZeRO %d, %d micro-batches/step, %s",
-                 self.kind, self.n_trainable, spec.zero_stage, self.n_micro, device)
+        log.info("engine ready: %s, %d trainable parameters, ZeRO %d, %s, %s",
+                 self.kind, self.n_trainable, spec.zero_stage, spec.dtype, device)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -122,71 +127,151 @@ class TrainEngine:
             return deepspeed.zero.GatheredParameters(list(self.module.parameters()))
         return nullcontext()
 
+    def _logprobs(self, model, mb: Batch, temperature: float, entropy_grad: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target-aligned logp and entropy [B, T] (0 off the loss mask) of `mb` under
+        `model` (the engine, a module, or the reference). Logits are made only over the
+        span of columns holding a policy token (transformers' `logits_to_keep`), and the
+        softmax only at the policy positions."""
+        keep = mb.loss_mask > 0
+        cols = keep.any(dim=0).nonzero().flatten()
+        B, T = mb.input_ids.shape
+        zeros = torch.zeros(B, T, dtype=torch.float32, device=mb.input_ids.device)
+        if cols.numel() == 0:
+            return zeros, zeros
+        lo, hi = int(cols[0]), int(cols[-1]) + 1
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                       logits_to_keep=torch.arange(lo, hi, device=mb.input_ids.device)).logits
+        sub = keep[:, lo:hi]
+        targets = mb.input_ids[:, lo + 1:hi + 1]
+        if targets.shape[1] < hi - lo:  # the last column predicts past the end (never kept)
+            targets = torch.cat([targets, targets.new_zeros(B, hi - lo - targets.shape[1])], dim=1)
+        logp_sel, ent_sel = selected_logprobs(logits[sub], targets[sub], temperature, entropy_grad=entropy_grad)
+        del logits
+        return zeros.masked_scatter(keep, logp_sel), zeros.masked_scatter(keep, ent_sel)
+
     def _ref_logprobs(self, mb: Batch, temperature: float) -> torch.Tensor:
         with torch.no_grad():
             if self.kind == "lora":
                 with self.module.disable_adapter():
-                    logits = self.module(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            else:
-                logits = self.ref_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            return token_logprobs(logits, mb.input_ids, temperature)[0]
+                    return self._logprobs(self.module, mb, temperature)[0]
+            return self._logprobs(self.ref_model, mb, temperature)[0]
 
-    def train_step(self, batches: Sequence[Batch]) -> dict[str, float]:
-        """One optimizer step over the micro-batches of a training step.
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of the next optimizer update (the job's schedule)."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
 
-        Each micro-batch's loss is divided by the whole step's policy-token count, so
-        the accumulated gradient is that of the per-token mean over the step (DAPO
-        arXiv 2503.14476 §3.3). Returns loss, grad_norm (before clipping), entropy,
-        clip_frac, approx_kl, kl (to the reference; 0 when kl_coef is 0), tokens. A step
-        without policy tokens changes nothing and returns zeros.
-        Raises ValueError unless there are exactly as many micro-batches as the engine
-        accumulates.
+    def sequence_logprobs(self, batches: Sequence[Batch], reference: bool) -> list[torch.Tensor]:
+        """Without gradient: per micro-batch, the target-aligned [B, T] logprobs of its
+        policy tokens under the reference policy (`reference`) or the current one."""
+        temperature = self.spec.sampling.temperature or 1.0
+        out = []
+        self.engine.eval()
+        with torch.no_grad():
+            for mb in batches:
+                mb = Batch(*(t.to(self.device) for t in mb))
+                out.append((self._ref_logprobs(mb, temperature) if reference
+                            else self._logprobs(self.engine, mb, temperature)[0]).cpu())
+        self.engine.train()
+        return out
+
+    def train_step(self, updates: Sequence[Sequence[Batch]], totals: Sequence[AggTotals],
+                   lrs: Sequence[float] | None = None) -> dict[str, float]:
+        """The optimizer updates of one training step.
+
+        updates: one list of micro-batches per optimizer update (ppo_epochs passes over
+        mini_batches updates; an epoch repeats the same Batch objects); totals: each
+        update's AggTotals (its loss's normalizers, loss.aggregation_weights: micro-batch
+        losses add up to the update's loss); lrs: each update's learning rate (the
+        job's schedule; None keeps the optimizer's). The objective is loss.policy_loss
+        with the job's LossConfig. When the behaviour correction is on (rollout_is), the
+        proximal logprobs are the policy's before the step: the current ones, detached,
+        with a single update; recomputed once per micro-batch before the first update
+        otherwise (AReaL arXiv 2505.24298 §4, decoupled PPO).
+        Returns loss (mean over updates), grad_norm (the last update's, before
+        clipping), entropy, clip_frac, approx_kl, kl, is_weight_mean, is_capped_frac,
+        mismatch_kl (token means over every pass), tokens (policy tokens in one pass),
+        updates, fwd_bwd_s, optimizer_s (seconds). No update, or none with a policy
+        token: nothing changes and zeros are returned (an AdamW step on zero gradients
+        would still move the weights, by momentum).
+        Raises ValueError when totals (or lrs) do not match updates.
         """
-        if len(batches) != self.n_micro:
-            # DeepSpeed steps the optimizer on exactly the n_micro-th backward
-            raise ValueError(f"{len(batches)} micro-batches; the engine accumulates {self.n_micro}")
-        spec = self.spec
-        temperature = spec.sampling.temperature or 1.0
-        total = float(sum(b.num_tokens for b in batches))
-        if total == 0:
-            # every episode ended before the policy spoke (errors): nothing to learn, and
-            # an AdamW step on zero gradients would still move the weights (momentum)
-            return dict(loss=0.0, grad_norm=0.0, entropy=0.0, clip_frac=0.0, approx_kl=0.0, kl=0.0, tokens=0.0)
-        sums = dict(loss=0.0, clipped=0.0, approx_kl=0.0, kl=0.0, entropy=0.0)
+        if len(totals) != len(updates) or (lrs is not None and len(lrs) != len(updates)):
+            raise ValueError(f"{len(updates)} updates, {len(totals)} totals, {len(lrs or [])} lrs")
+        cfg = self.loss_cfg
+        temperature = self.spec.sampling.temperature or 1.0
+        zero = dict(loss=0.0, grad_norm=0.0, entropy=0.0, clip_frac=0.0, approx_kl=0.0, kl=0.0,
+                    is_weight_mean=0.0, is_capped_frac=0.0, mismatch_kl=0.0, tokens=0.0, updates=0.0,
+                    fwd_bwd_s=0.0, optimizer_s=0.0)
+        updates = [[b for b in u if b.num_tokens > 0] for u in updates]
+        kept = [(u, tot, None if lrs is None else lr) for u, tot, lr in zip(updates, totals, lrs or [None] * len(updates)) if u]
+        if not kept:
+            return zero
+        prox: dict[int, torch.Tensor] = {}
+        if cfg.rollout_is != "none" and len(kept) > 1:
+            unique = list({id(b): b for u, _, _ in kept for b in u}.values())
+            for b, lp in zip(unique, self.sequence_logprobs(unique, reference=False)):
+                prox[id(b)] = lp
+        sums = dict(loss=0.0, clipped=0.0, approx_kl=0.0, kl=0.0, entropy=0.0, is_w=0.0, is_capped=0.0,
+                    mismatch=0.0, tokens=0.0)
+        t_fb = t_opt = 0.0
         self.engine.train()
         grad_norm = 0.0
-        for k, mb in enumerate(batches):
-            mb = Batch(*(t.to(self.device) for t in mb))
-            ref = self._ref_logprobs(mb, temperature) if spec.kl_coef > 0 else None
-            with tracing.span("learner.forward_backward", attrs={"ot.micro_batch": k,
-                                                                 "ot.tokens": int(mb.input_ids.numel())}):
-                logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                logp, entropy = token_logprobs(logits, mb.input_ids, temperature)
-                del logits
-                out = grpo_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, spec.clip_range,
-                                num_tokens=total, logp_ref=ref, kl_coef=spec.kl_coef, entropy=entropy)
-                self.engine.backward(out.loss, scale_wrt_gas=False)
-            if k == self.n_micro - 1:
-                grad_norm = self._grad_norm()
-            # DeepSpeed steps the optimizer at the last micro-batch (the accumulation boundary)
-            with tracing.span("learner.optimizer" if k == self.n_micro - 1 else "learner.accumulate"):
-                self.engine.step()
-            sums["loss"] += float(out.loss.detach())
-            sums["clipped"] += out.clipped_sum
-            sums["approx_kl"] += out.approx_kl_sum
-            sums["kl"] += out.kl_sum
-            sums["entropy"] += out.entropy_sum
-        ds_norm = self.engine.get_global_grad_norm()
-        if ds_norm is not None:
-            grad_norm = float(ds_norm)
+        for u, tot, lr in kept:
+            if lr is not None:
+                self.set_lr(lr)
+            for k, mb0 in enumerate(u):
+                last = k == len(u) - 1
+                mb = Batch(*(t.to(self.device) for t in mb0))
+                self.engine.set_gradient_accumulation_boundary(last)
+                t0 = time.perf_counter()
+                ref = self._ref_logprobs(mb, temperature) if cfg.kl_coef > 0 else None
+                with tracing.span("learner.forward_backward", attrs={"ot.micro_batch": k,
+                                                                     "ot.tokens": int(mb.input_ids.numel())}):
+                    logp, entropy = self._logprobs(self.engine, mb, temperature, entropy_grad=cfg.entropy_coef > 0)
+                    lp_prox = None
+                    if cfg.rollout_is != "none":
+                        lp_prox = prox[id(mb0)].to(self.device) if prox else logp.detach()
+                    out = policy_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, cfg,
+                                      weights=aggregation_weights(mb.loss_mask, self.spec.loss_agg, tot),
+                                      logp_prox=lp_prox, logp_ref=ref, entropy=entropy)
+                    self.engine.backward(out.loss, scale_wrt_gas=False)
+                t1 = time.perf_counter()
+                t_fb += t1 - t0
+                if last:
+                    grad_norm = self._grad_norm()
+                # DeepSpeed steps the optimizer at the boundary (the update's last micro-batch)
+                with tracing.span("learner.optimizer" if last else "learner.accumulate"):
+                    self.engine.step()
+                t_opt += time.perf_counter() - t1
+                sums["loss"] += float(out.loss.detach())
+                sums["clipped"] += out.clipped_sum
+                sums["approx_kl"] += out.approx_kl_sum
+                sums["kl"] += out.kl_sum
+                sums["entropy"] += out.entropy_sum
+                sums["is_w"] += out.is_weight_sum
+                sums["is_capped"] += out.is_capped_sum
+                sums["mismatch"] += out.mismatch_kl_sum
+                sums["tokens"] += out.tokens
+            ds_norm = self.engine.get_global_grad_norm()
+            if ds_norm is not None:
+                grad_norm = float(ds_norm)
+        n = max(sums["tokens"], 1.0)
         return {
-            "loss": sums["loss"],
+            "loss": sums["loss"] / len(kept),
             "grad_norm": grad_norm,
-            "entropy": sums["entropy"] / total,
-            "clip_frac": sums["clipped"] / total,
-            "approx_kl": sums["approx_kl"] / total,
-            "kl": sums["kl"] / total,
-            "tokens": total,
+            "entropy": sums["entropy"] / n,
+            "clip_frac": sums["clipped"] / n,
+            "approx_kl": sums["approx_kl"] / n,
+            "kl": sums["kl"] / n,
+            "is_weight_mean": sums["is_w"] / n if cfg.rollout_is != "none" else 1.0,
+            "is_capped_frac": sums["is_capped"] / n,
+            "mismatch_kl": sums["mismatch"] / n,
+            "tokens": sums["tokens"] / max(1, self.spec.ppo_epochs),
+            "updates": float(len(kept)),
+            "fwd_bwd_s": t_fb,
+            "optimizer_s": t_opt,
         }
 
     def sft_step(self, batches: Sequence[Batch]) -> dict[str, float]:
@@ -199,25 +284,22 @@ class TrainEngine:
         (as in train_step). `advantages` and `logprobs` of the batches are ignored.
         Returns loss (the step's mean NLL, nats/token, before the update), grad_norm
         (before clipping), tokens. A step without loss-mask tokens changes nothing.
-        Raises ValueError unless there are exactly as many micro-batches as the engine
-        accumulates.
         """
-        if len(batches) != self.n_micro:
-            raise ValueError(f"{len(batches)} micro-batches; the engine accumulates {self.n_micro}")
+        batches = [b for b in batches if b.num_tokens > 0]
         total = float(sum(b.num_tokens for b in batches))
         if total == 0:
             return dict(loss=0.0, grad_norm=0.0, tokens=0.0)
         self.engine.train()
         loss_sum, grad_norm = 0.0, 0.0
         for k, mb in enumerate(batches):
+            last = k == len(batches) - 1
             mb = Batch(*(t.to(self.device) for t in mb))
-            logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            logp, _ = token_logprobs(logits, mb.input_ids)
-            del logits
+            self.engine.set_gradient_accumulation_boundary(last)
+            logp, _ = self._logprobs(self.engine, mb, 1.0)
             # select, never multiply: padding positions may hold anything
             loss = -torch.where(mb.loss_mask > 0, logp, 0.0).sum() / total
             self.engine.backward(loss, scale_wrt_gas=False)
-            if k == self.n_micro - 1:
+            if last:
                 grad_norm = self._grad_norm()
             self.engine.step()
             loss_sum += float(loss.detach())
@@ -235,9 +317,7 @@ class TrainEngine:
         with torch.no_grad():
             for mb in batches:
                 mb = Batch(*(t.to(self.device) for t in mb))
-                logits = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-                logp, _ = token_logprobs(logits, mb.input_ids)
-                del logits
+                logp, _ = self._logprobs(self.engine, mb, 1.0)
                 nll -= float(torch.where(mb.loss_mask > 0, logp, 0.0).sum())
                 total += mb.num_tokens
         self.engine.train()

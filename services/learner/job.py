@@ -26,17 +26,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from nats.aio.msg import Msg
 
 from opentinker.schemas import JobAssigned, RolloutRequest, Trajectory
 from opentinker.schemas import subjects as S
+from opentinker.schemas.job import max_generated_tokens
 from opentinker.schemas.stats import derived_seed, episode_stats, lag_stats
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
-from opentinker.services.learner.batching import StepAdvantages, check_trajectory, micro_batches, step_advantages
+from opentinker.services.learner.batching import (Batch, StepAdvantages, build_batch, check_trajectory,
+                                                  micro_batch_indices, micro_batches, step_advantages, update_plan)
 from opentinker.services.learner.evaluation import Evaluator
 from opentinker.services.learner.ledger import Delivery, TrajectoryLedger
+from opentinker.services.learner.loss import AggTotals, kl_estimate, lr_factor, overlong_penalty
 # SERVICE and JobStopped are imported from here too (service.py)
 from opentinker.services.learner.lifecycle import SERVICE, JobStopped, RunLifecycle  # noqa: F401
 
@@ -89,6 +93,7 @@ class JobRun(RunLifecycle):
         self.stats = StepStats()
         self.evaluator = Evaluator(self.job_id, spec, self.run_id, self.attempt)
         self.sub = None
+        self.weights_s = 0.0  # the last publish_weights, seconds
 
     async def run(self) -> None:
         """Train to completion. Raises JobStopped (cancel or shutdown) or the error
@@ -317,18 +322,66 @@ class JobRun(RunLifecycle):
 
     # -- training ---------------------------------------------------------------
 
-    def advantages(self, trajs: list[Trajectory]) -> StepAdvantages:
-        """Per-episode (GRPO) or per-token (turn-level credit) advantages, trajs in group
-        order, and which episodes are excluded (errors; batching.step_advantages)."""
+    def reward_bonus(self, trajs: list[Trajectory]) -> list[float] | None:
+        """What each episode's reward gains before the advantages: DAPO's soft overlong
+        penalty (loss.overlong_penalty) and, with `kl_in_reward`, -kl_coef times the
+        episode's summed KL estimate of the sampler's tokens to the reference (verl's
+        use_kl_in_reward; Ouyang et al. 2022, arXiv 2203.02155 eq. 2). None: no bonus."""
         spec = self.spec
-        return step_advantages(trajs, spec.prompts_per_step, spec.group_size, spec.advantage, spec.turn_discount)
+        bonus = [0.0] * len(trajs)
+        if spec.overlong_buffer > 0:
+            budget = max_generated_tokens(spec)
+            bonus = [b + overlong_penalty(sum(t.loss_mask), budget, spec.overlong_buffer, spec.overlong_penalty)
+                     for b, t in zip(bonus, trajs)]
+        if spec.kl_in_reward and spec.kl_coef > 0:
+            idx = micro_batch_indices([len(t.token_ids) for t in trajs], spec.micro_batch_size, spec.micro_batch_tokens)
+            batches = [build_batch([trajs[i] for i in part], [0.0] * len(part), self.engine.pad_id) for part in idx]
+            for part, mb, ref in zip(idx, batches, self.engine.sequence_logprobs(batches, reference=True)):
+                kl = torch.where(mb.loss_mask > 0, kl_estimate(mb.logprobs, ref, spec.kl_estimator), 0.0).sum(dim=1)
+                for i, k in zip(part, kl.tolist()):
+                    bonus[i] -= spec.kl_coef * k
+        return bonus if any(bonus) else None
+
+    def advantages(self, trajs: list[Trajectory]) -> StepAdvantages:
+        """Per-episode or per-token advantages (batching.step_advantages with the job's
+        estimator, reward bonus and overlong filter), trajs in group order."""
+        spec = self.spec
+        mask_out = None
+        if spec.overlong_filter:
+            mask_out = [bool(t.turns) and t.turns[-1].finish_reason == "length" for t in trajs]
+        return step_advantages(trajs, spec.prompts_per_step, spec.group_size, spec.advantage, spec.turn_discount,
+                               spec.advantage_estimator, self.reward_bonus(trajs), mask_out)
 
     def _train_blocking(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """Advantages, then the step's optimizer updates (engine.train_step) over the
+        episodes that can move the policy. Not forwarded at all: excluded episodes
+        (errors, overlong-filtered) and, with skip_zero_variance and no KL or entropy
+        term, the groups whose advantages are all 0 (their policy gradient is exactly 0;
+        DAPO arXiv 2503.14476 §3.2 drops them from the batch likewise, so the loss is
+        normalized over the episodes that remain)."""
+        spec = self.spec
+        cfg = self.engine.loss_cfg
         with tracing.span("learner.batch", attrs={"ot.episodes": len(trajs)}):
             adv = self.advantages(trajs)
-            batches = micro_batches(trajs, adv.advantages, self.spec.micro_batch_size, self.engine.pad_id,
-                                    exclude=adv.excluded)
-        return {**self.engine.train_step(batches), "excluded_frac": adv.excluded_frac}
+            skip_zero = spec.skip_zero_variance and cfg.kl_coef == 0 and cfg.entropy_coef == 0
+            train = [i for i in range(len(trajs)) if not adv.excluded[i]
+                     and not (skip_zero and adv.zero_groups[i // spec.group_size])]
+            plan = update_plan(train, spec.mini_batches, spec.ppo_epochs, derived_seed("update", spec.seed, self.step))
+            built: dict[int, list[Batch]] = {}
+            for part in plan:
+                if id(part) not in built:
+                    built[id(part)] = micro_batches([trajs[i] for i in part], [adv.advantages[i] for i in part],
+                                                    spec.micro_batch_size, self.engine.pad_id,
+                                                    max_tokens=spec.micro_batch_tokens)
+            updates = [built[id(part)] for part in plan]
+            totals = [AggTotals(tokens=float(sum(b.num_tokens for b in u)),
+                                seqs=float(sum(int((b.loss_mask.sum(dim=1) > 0).sum()) for b in u)),
+                                max_len=float(max_generated_tokens(spec))) for u in updates]
+            lrs = [spec.lr * lr_factor(self.step + j / max(len(plan), 1), spec.steps, spec.lr_warmup_steps,
+                                       spec.lr_schedule) for j in range(len(plan))]
+        out = self.engine.train_step(updates, totals, lrs)
+        return {**out, "excluded_frac": adv.excluded_frac, "zero_variance_frac": adv.zero_variance_frac,
+                "skipped_frac": 1.0 - len(train) / max(len(trajs), 1), "lr": lrs[0] if lrs else 0.0}
 
     async def train(self, groups: list[list[Held]]) -> None:
         with tracing.span("learner.step", attrs={"ot.job_id": self.job_id, "ot.step": self.step}):
@@ -345,7 +398,9 @@ class JobRun(RunLifecycle):
         s = self.step
         self.version += 1
         self.step += 1
+        t_w = time.monotonic()
         await self.publish_weights()
+        self.weights_s = time.monotonic() - t_w
         for h in self.ledger.take_step(s):
             await h.msg.ack()  # a dropped attempt's late arrivals
         if self.checkpoint_due():
@@ -380,6 +435,18 @@ class JobRun(RunLifecycle):
             "dropped_error": float(self.stats.dropped_error),
             "timed_out": float(self.stats.timed_out),
             "excluded_frac": out["excluded_frac"],
+            # no wasted compute: groups without signal, episodes not forwarded at all
+            "zero_variance_frac": out["zero_variance_frac"],
+            "skipped_frac": out["skipped_frac"],
+            # the behaviour-policy correction (async, sampler/learner gap): loss.rollout_is_weights
+            "is_weight_mean": out["is_weight_mean"],
+            "is_capped_frac": out["is_capped_frac"],
+            "mismatch_kl": out["mismatch_kl"],
+            "lr": out["lr"],
+            "updates": out["updates"],
+            "fwd_bwd_s": out["fwd_bwd_s"],
+            "optimizer_s": out["optimizer_s"],
+            "weights_s": self.weights_s,
         }
         await self.step_done(s, values, list(dict.fromkeys(t.request_id for t in trajs)))
 

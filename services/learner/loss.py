@@ -1,5 +1,8 @@
-"""The GRPO objective as pure torch functions: advantages, token logprobs, the clipped
-surrogate with an optional KL penalty, and the statistics the learner reports.
+"""The policy objective as pure torch functions: advantage estimators, token logprobs,
+the clipped surrogate and its variants (clip-higher, dual clip, GSPO's sequence ratio,
+the behaviour-policy correction of asynchronous training), KL estimators, loss
+aggregation, reward shaping and the learning-rate schedule, and the statistics the
+learner reports. Each formula cites its source.
 
 Shapes: B episodes, T positions. Every [B, T] tensor is target-aligned (see
 batching.py): column t belongs to the prediction made at position t of token t+1.
@@ -7,6 +10,7 @@ batching.py): column t belongs to the prediction made at position t of token t+1
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -15,24 +19,60 @@ import torch
 ADV_EPS = 1e-6
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """GRPO group-relative advantages A_i = (r_i - mean(r)) / (std(r) + 1e-6).
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
-    rewards: [n_groups, group_size] float -> advantages of the same shape, float32. The
-    std is the sample (unbiased) std, as in TRL's GRPOTrainer and verl. A group whose
-    std is below ADV_EPS gets exactly 0 for every episode: its rewards are equal (up to
-    rounding), so it carries no group-relative signal, and what the formula would give
-    there is rounding noise divided by the 1e-6 floor.
-    Source: Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, eq. 3 and §4.1.1 (outcome
-    supervision). Raises ValueError if rewards is not 2-D with group_size >= 2.
+
+def group_advantages(rewards: torch.Tensor, estimator: str = "grpo") -> torch.Tensor:
+    """Group-relative advantages of episode returns.
+
+    rewards: [n_groups, group_size] float -> advantages of the same shape, float32.
+    - "grpo": A_i = (r_i - mean(r)) / (std(r) + 1e-6), std the sample (unbiased) std as
+      in TRL's GRPOTrainer and verl. Shao et al. 2024, DeepSeekMath, arXiv 2402.03300,
+      eq. 3 and §4.1.1 (outcome supervision).
+    - "dr_grpo": A_i = r_i - mean(r), no division by the std (which weights easy and
+      hard prompts unequally). Liu et al. 2025, "Understanding R1-Zero-like training",
+      arXiv 2503.20783 §3.2.
+    - "rloo": A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean(r)), the
+      leave-one-out baseline. Kool et al. 2019 (ICLR workshop); Ahmadian et al. 2024,
+      arXiv 2402.14740 eq. 7.
+    - "reinforce_pp": r_i - mean(r) here; the caller divides by the std over the whole
+      batch (batch_scale). REINFORCE++-baseline, Hu et al. 2025, arXiv 2501.03262.
+    A group whose std is below ADV_EPS gets exactly 0 for every episode, whatever the
+    estimator: its rewards are equal (up to rounding), so it carries no group-relative
+    signal. Raises ValueError if rewards is not 2-D with group_size >= 2 or for an
+    unknown estimator.
     """
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [n_groups, group_size >= 2], got {tuple(rewards.shape)}")
     rewards = rewards.to(torch.float64)
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True, unbiased=True)
-    adv = (rewards - mean) / (std + ADV_EPS)
-    return torch.where(std < ADV_EPS, 0.0, adv).to(torch.float32)
+    return torch.where(std < ADV_EPS, 0.0, _scaled(rewards - mean, std, rewards.shape[1], estimator)).to(torch.float32)
+
+
+def _scaled(centered, std, group_size: int, estimator: str):
+    """(r - mean) -> the estimator's advantage (group_advantages); works on tensors and floats."""
+    if estimator == "grpo":
+        return centered / (std + ADV_EPS)
+    if estimator == "rloo":
+        return centered * (group_size / (group_size - 1))
+    if estimator in ("dr_grpo", "reinforce_pp"):
+        return centered
+    raise ValueError(f"advantage estimator must be one of {ESTIMATORS}, got {estimator!r}")
+
+
+def batch_scale(episode_advantages: Sequence[float]) -> float:
+    """REINFORCE++'s batch normalization as a factor: 1 / (std + 1e-6), the population
+    std of the batch's group-centred episode advantages (each episode's whole-return
+    advantage; episodes left out of the loss are left out here too). Group-centred
+    advantages have batch mean 0 already, so only the scale changes and a zero
+    advantage stays exactly 0. 1.0 when the std is below ADV_EPS (no signal at all).
+    Source: Hu et al. 2025, arXiv 2501.03262 §3.2 (global batch normalization).
+    """
+    if len(episode_advantages) < 2:
+        return 1.0
+    std = float(torch.tensor(list(episode_advantages), dtype=torch.float64).std(unbiased=False))
+    return 1.0 if std < ADV_EPS else 1.0 / (std + ADV_EPS)
 
 
 def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
@@ -48,7 +88,8 @@ def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
     return out
 
 
-def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: float) -> list[list[list[float]]]:
+def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: float,
+                    estimator: str = "grpo") -> list[list[list[float]]]:
     """Turn-level GRPO advantages (OpenTinker's per-step GRPO).
 
     turn_rewards: [n_groups][group_size][n_turns_i] per-turn rewards -> advantages of
@@ -76,8 +117,13 @@ def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: fl
     Sources: GTPO, arXiv 2511.17052 (per-turn returns in group-relative advantages);
     OpenTinker's `compute_grpo_per_step_advantage` (statistics from R_0);
     GRPO arXiv 2402.03300 eq. 3.
-    Raises ValueError for a group with fewer than 2 episodes.
+    Other estimators (group_advantages) keep the same statistics of R_{j,0}: "dr_grpo"
+    and "reinforce_pp" drop the division by the std; "rloo" takes each episode's
+    baseline from the other episodes' R_{j,0}.
+    Raises ValueError for a group with fewer than 2 episodes or an unknown estimator.
     """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"advantage estimator must be one of {ESTIMATORS}, got {estimator!r}")
     out = []
     for group in turn_rewards:
         if len(group) < 2:
@@ -85,10 +131,14 @@ def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: fl
         returns = [discounted_returns(ep, gamma) for ep in group]
         whole = torch.tensor([r[0] if r else 0.0 for r in returns], dtype=torch.float64)
         mean, std = float(whole.mean()), float(whole.std(unbiased=True))
+        n = len(returns)
         if std < ADV_EPS:
             out.append([[0.0] * len(r) for r in returns])
+        elif estimator == "rloo":
+            total = float(whole.sum())
+            out.append([[r_t - (total - float(whole[i])) / (n - 1) for r_t in r] for i, r in enumerate(returns)])
         else:
-            out.append([[(r_t - mean) / (std + ADV_EPS) for r_t in r] for r in returns])
+            out.append([[_scaled(r_t - mean, std, n, estimator) for r_t in r] for r in returns])
     return out
 
 
@@ -98,9 +148,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
 
     logits: [B, T, V] float; input_ids: [B, T] long. Returns (logp, entropy), both
     [B, T] float32, target-aligned: logp[:, t] = log p(input_ids[:, t+1] | <= t); the
-    last column is 0. Entropy (nats) is computed without gradient: it is reported,
-    not optimized. Dividing by the sampling temperature makes the learner's
-    distribution the one the sampler drew from (as TRL's GRPOTrainer does).
+    last column is 0. Entropy (nats) is computed without gradient. Dividing by the
+    sampling temperature makes the learner's distribution the one the sampler drew
+    from (as TRL's GRPOTrainer does). The learner's training path uses
+    selected_logprobs (policy positions only); this full form serves SFT and tests.
     """
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
@@ -114,22 +165,180 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
     return torch.cat([logp, pad], dim=1), torch.cat([entropy, pad], dim=1)
 
 
-def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1.
+def selected_logprobs(rows: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                      head: torch.nn.Module | None = None, chunk: int = 512,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of the next token at selected positions only.
 
-    Shapes: any, elementwise; >= 0, and exactly 0 where the two agree.
-    Source: J. Schulman 2020, "Approximating KL Divergence" (k3); used by GRPO,
-    arXiv 2402.03300 eq. 4.
+    rows: [N, V] logits at the N positions whose next token is trained (the loss
+    mask's), or [N, H] final hidden states when `head` (the LM head, H -> V) is given;
+    targets: [N] long. Returns (logp, entropy), both [N] float32 (nats). The softmax
+    (and the head) run on those N positions only, in chunks of `chunk` positions so
+    the [chunk, V] float32 copies bound the peak memory. Entropy carries a gradient
+    only with `entropy_grad` (an entropy bonus).
+    """
+    logps, ents = [], []
+    for k in range(0, rows.shape[0], chunk):
+        logits = (head(rows[k:k + chunk]) if head is not None else rows[k:k + chunk]).float()
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logps.append(logp_all.gather(-1, targets[k:k + chunk].unsqueeze(-1)).squeeze(-1))
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ents.append(-(logp_all.exp() * logp_all).sum(-1))
+        del logits, logp_all
+    if not logps:
+        z = rows.new_zeros(0, dtype=torch.float32)
+        return z, z
+    return torch.cat(logps), torch.cat(ents)
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi, with
+    d = logp_ref - logp: k1 = -d (unbiased, high variance, can be negative),
+    k2 = d^2 / 2 (low variance, biased), k3 = exp(d) - d - 1 (unbiased, low variance,
+    >= 0). Shapes: any, elementwise; 0 where the two agree.
+    Source: J. Schulman 2020, "Approximating KL Divergence"; k3 is GRPO's (arXiv
+    2402.03300 eq. 4); verl's kl_loss_type "kl" / "mse" / "low_var_kl".
+    Raises ValueError for an unknown estimator.
     """
     d = logp_ref - logp
-    return torch.exp(d) - d - 1.0
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(pi || pi_ref) per token (kl_estimate with "k3")."""
+    return kl_estimate(logp, logp_ref, "k3")
+
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class AggTotals(NamedTuple):
+    """What an update's loss is normalized by: its policy tokens, its sequences with a
+    policy token, and Dr. GRPO's constant generation budget L (tokens)."""
+
+    tokens: float
+    seqs: float
+    max_len: float
+
+
+def aggregation_weights(loss_mask: torch.Tensor, mode: str, totals: AggTotals) -> torch.Tensor:
+    """The weight of each sequence's per-token losses, so that sum_{b,t} w_b * l_bt *
+    mask_bt over every micro-batch of an optimizer update is the update's loss.
+
+    loss_mask: [B, T] -> [B] float32. With n_b the policy tokens of sequence b, N the
+    update's tokens, S its sequences and L the generation budget:
+    - "token-mean": 1 / N (every token equal; DAPO arXiv 2503.14476 §3.3);
+    - "seq-mean-token-mean": 1 / (S n_b) (GRPO's original 1/G sum_i 1/|o_i|, arXiv
+      2402.03300 eq. 3);
+    - "seq-mean-token-sum": 1 / S;
+    - "seq-mean-token-sum-norm": 1 / (S L) (Dr. GRPO's constant normalizer, arXiv
+      2503.20783 §3.2; verl's name).
+    Names are verl's `loss_agg_mode`. Raises ValueError for an unknown mode.
+    """
+    n = loss_mask.sum(dim=1).to(torch.float32)
+    if mode == "token-mean":
+        w = torch.full_like(n, 1.0 / max(totals.tokens, 1.0))
+    elif mode == "seq-mean-token-mean":
+        w = 1.0 / (max(totals.seqs, 1.0) * n.clamp(min=1.0))
+    elif mode == "seq-mean-token-sum":
+        w = torch.full_like(n, 1.0 / max(totals.seqs, 1.0))
+    elif mode == "seq-mean-token-sum-norm":
+        w = torch.full_like(n, 1.0 / (max(totals.seqs, 1.0) * max(totals.max_len, 1.0)))
+    else:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {mode!r}")
+    return torch.where(n > 0, w, 0.0)
+
+
+class LossConfig(NamedTuple):
+    """The policy objective's options (JobSpec fields of the same meaning).
+
+    clip_low, clip_high: PPO's ratio clip [1 - clip_low, 1 + clip_high] (clip-higher,
+    DAPO arXiv 2503.14476 §3.1); dual_clip: c > 1 bounds a negative-advantage token's
+    loss by -c A (Ye et al. 2020, arXiv 1912.09729 §3.1; 0 = off); ratio_level:
+    "token" or "sequence" (GSPO arXiv 2507.18071 eq. 7: the length-normalized
+    sequence ratio); rollout_is / rollout_is_mode / rollout_is_threshold: the
+    behaviour-policy correction (rollout_is_weights); kl_coef / kl_estimator: the KL
+    penalty to the reference as a loss term (0 = off); entropy_coef: an entropy bonus
+    (the loss subtracts coef * entropy; Williams & Peng 1991; Mnih et al. 2016 A3C).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0
+    ratio_level: str = "token"
+    rollout_is: str = "none"
+    rollout_is_mode: str = "truncate"
+    rollout_is_threshold: float = 2.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def from_spec(cls, spec) -> "LossConfig":
+        """The options of a JobSpec (kl_coef applies to the loss only without kl_in_reward)."""
+        return cls(clip_low=spec.clip_range, clip_high=spec.clip_range_high or spec.clip_range,
+                   dual_clip=spec.dual_clip, ratio_level=spec.importance_sampling_level,
+                   rollout_is=spec.rollout_is, rollout_is_mode=spec.rollout_is_mode,
+                   rollout_is_threshold=spec.rollout_is_threshold,
+                   kl_coef=0.0 if spec.kl_in_reward else spec.kl_coef, kl_estimator=spec.kl_estimator,
+                   entropy_coef=spec.entropy_coef)
+
+
+def rollout_is_weights(logp_prox: torch.Tensor, logp_behav: torch.Tensor, loss_mask: torch.Tensor,
+                       level: str, mode: str, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights pi_prox / pi_behav of the sampled tokens, and where they were capped.
+
+    logp_prox: the learner's logprobs before the update (the proximal policy), logp_behav:
+    the sampler's (the behaviour policy), loss_mask: all [B, T]. Returns (w, capped),
+    [B, T] float32 and bool, without gradient; masked positions hold w = 0.
+    level "token": w_t = pi_prox(y_t) / pi_behav(y_t); "sequence": the product over the
+    sequence's policy tokens, the same w for each of them. mode "truncate": min(w, C)
+    (TIS); "mask": w where 1/C <= w <= C, else 0 (masked IS). C = threshold.
+    Sources: Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training" (TIS, MIS); AReaL arXiv 2505.24298 eq. 5 (decoupled PPO);
+    verl's rollout correction (rollout_is, rollout_is_threshold).
+    Raises ValueError for an unknown level or mode.
+    """
+    keep = loss_mask > 0
+    with torch.no_grad():
+        lw = torch.where(keep, logp_prox - logp_behav, 0.0).to(torch.float32)
+        if level == "sequence":
+            lw = lw.sum(dim=1, keepdim=True).expand_as(lw)
+        elif level != "token":
+            raise ValueError(f"rollout_is must be 'token' or 'sequence', got {level!r}")
+        log_c = math.log(threshold)
+        if mode == "truncate":
+            capped = lw > log_c
+            w = torch.exp(lw.clamp(max=log_c))
+        elif mode == "mask":
+            capped = (lw > log_c) | (lw < -log_c)
+            w = torch.where(capped, 0.0, torch.exp(lw.clamp(-log_c, log_c)))
+        else:
+            raise ValueError(f"rollout_is_mode must be 'truncate' or 'mask', got {mode!r}")
+        return torch.where(keep, w, 0.0), capped & keep
 
 
 class LossOut(NamedTuple):
     """The loss of a (micro-)batch and its token-summed statistics.
 
-    loss: scalar with gradient, already divided by `num_tokens`. The `*_sum` fields are
-    sums over the micro-batch's policy tokens (plain floats), so micro-batches add up.
+    loss: scalar with gradient, already weighted by the aggregation weights (micro-batch
+    losses of one update add up to its loss). The `*_sum` fields are sums over the
+    micro-batch's policy tokens (plain floats): clipped (ratio outside the clip),
+    approx_kl (k3 of KL(old || current)), kl (to the reference, the chosen estimator),
+    entropy, is_weight (the behaviour correction's weights), is_capped (tokens whose
+    weight was truncated or masked), mismatch_kl (k3 of KL(behaviour || proximal), the
+    sampler/learner gap; 0 without a proximal policy).
     """
 
     loss: torch.Tensor
@@ -138,57 +347,128 @@ class LossOut(NamedTuple):
     approx_kl_sum: float
     kl_sum: float
     entropy_sum: float
+    is_weight_sum: float = 0.0
+    is_capped_sum: float = 0.0
+    mismatch_kl_sum: float = 0.0
 
 
-def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-              loss_mask: torch.Tensor, clip_range: float, num_tokens: float | None = None,
-              logp_ref: torch.Tensor | None = None, kl_coef: float = 0.0,
-              entropy: torch.Tensor | None = None) -> LossOut:
-    """Clipped-surrogate GRPO loss with token-level normalization.
+def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.Tensor,
+                loss_mask: torch.Tensor, cfg: LossConfig = LossConfig(), *,
+                weights: torch.Tensor | None = None, logp_prox: torch.Tensor | None = None,
+                logp_ref: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> LossOut:
+    """The clipped-surrogate policy loss (PPO / GRPO and the variants of LossConfig).
 
-    logp, logp_old (the sampler's logprobs), loss_mask: [B, T]; advantages: [B]
-    (broadcast to every policy token of the episode) or [B, T] (per token, for
-    turn-level credit); logp_ref, entropy: [B, T] or None.
-    Per token: rho = exp(logp - logp_old),
-    l = -min(rho * A, clip(rho, 1 - eps, 1 + eps) * A) + kl_coef * k3(logp, logp_ref).
-    The loss is sum(l * mask) / num_tokens, where num_tokens defaults to mask.sum();
-    pass the whole batch's policy-token count so that micro-batch losses add up to the
-    batch's per-token mean.
-    Sources: PPO clip, Schulman et al. 2017, arXiv 1707.06347 eq. 7 (eps = clip_range);
-    GRPO, arXiv 2402.03300 eq. 3; token-level normalization, DAPO arXiv 2503.14476 §3.3.
-    clip fraction counts tokens with |rho - 1| > eps and approx KL is k3 of
-    KL(sampler || current), (rho - 1) - log rho (both as in CleanRL's PPO).
-    Raises ValueError on mismatched shapes.
+    logp (current, with gradient), logp_behav (the sampler's), loss_mask: [B, T];
+    advantages: [B] (every policy token of the episode) or [B, T] (per token);
+    logp_prox (the learner's before this update; required unless cfg.rollout_is is
+    "none"), logp_ref, entropy: [B, T] or None; weights: [B] aggregation weights
+    (aggregation_weights), default token-mean over this batch.
+    Per token, with old = logp_prox when given, else logp_behav:
+      r = exp(logp - old) (ratio_level "sequence": exp of the mean over the sequence,
+      GSPO), pg = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A); with dual_clip c,
+      pg = min(pg, -c A) where A < 0; times the behaviour correction w
+      (rollout_is_weights, no gradient); plus kl_coef * KL_est(logp, logp_ref) minus
+      entropy_coef * entropy. loss = sum_b weights_b sum_t mask_bt * l_bt.
+    Sources: PPO clip, Schulman et al. 2017, arXiv 1707.06347 eq. 7; GRPO, arXiv
+    2402.03300 eq. 3; and those of LossConfig and rollout_is_weights. clip fraction
+    counts tokens with r outside the clip range and approx KL is k3 of KL(old ||
+    current), (r - 1) - log r (both as in CleanRL's PPO).
+    Raises ValueError on mismatched shapes, or a missing logp_prox / logp_ref /
+    entropy that the options need.
     """
-    if logp.shape != logp_old.shape or logp.shape != loss_mask.shape:
-        raise ValueError(f"logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)} and "
+    if logp.shape != logp_behav.shape or logp.shape != loss_mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, logp_behav {tuple(logp_behav.shape)} and "
                          f"loss_mask {tuple(loss_mask.shape)} must have the same shape")
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"advantages must be [{logp.shape[0]}] or {list(logp.shape)}, "
                          f"got {tuple(advantages.shape)}")
+    if cfg.rollout_is != "none" and logp_prox is None:
+        raise ValueError("rollout_is needs logp_prox, the learner's logprobs before the update")
+    if cfg.entropy_coef and entropy is None:
+        raise ValueError("entropy_coef needs the entropy")
     mask = loss_mask.to(logp.dtype)
     keep = mask > 0
     tokens = float(mask.sum())
-    denom = float(num_tokens) if num_tokens is not None else max(tokens, 1.0)
+    if weights is None:
+        weights = torch.full((logp.shape[0],), 1.0 / max(tokens, 1.0))
     # masked positions may hold anything (padding, even inf/NaN): select, never multiply,
     # so that nothing from them reaches the loss or the gradient
     logp = torch.where(keep, logp, 0.0)
-    logp_old = torch.where(keep, logp_old, 0.0)
-    ratio = torch.exp(logp - logp_old)
+    behav = torch.where(keep, logp_behav, 0.0)
+    old = torch.where(keep, logp_prox, 0.0) if logp_prox is not None else behav
+    log_ratio = logp - old
+    if cfg.ratio_level == "sequence":
+        n = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        log_ratio = (torch.where(keep, log_ratio, 0.0).sum(dim=1, keepdim=True) / n).expand_as(logp)
+    elif cfg.ratio_level != "token":
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {cfg.ratio_level!r}")
+    ratio = torch.exp(log_ratio)
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(keep, adv, 0.0)
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * adv)
-    per_token = -surrogate
+    pg = -torch.min(ratio * adv, torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv)
+    if cfg.dual_clip:
+        pg = torch.where(adv < 0, torch.min(pg, -cfg.dual_clip * adv), pg)
+    is_w_sum = is_capped_sum = mismatch_sum = 0.0
+    if cfg.rollout_is != "none":
+        w, capped = rollout_is_weights(logp_prox, logp_behav, loss_mask, cfg.rollout_is,
+                                       cfg.rollout_is_mode, cfg.rollout_is_threshold)
+        pg = pg * w
+        with torch.no_grad():
+            is_w_sum, is_capped_sum = float(w[keep].sum()), float(capped.sum())
+            # samples come from the behaviour policy: k3 of KL(behaviour || proximal)
+            mismatch_sum = float(k3_kl(behav, old)[keep].sum())
+    per_token = pg
     kl_sum = 0.0
     if logp_ref is not None:
-        kl = torch.where(keep, k3_kl(logp, torch.where(keep, logp_ref, 0.0)), 0.0)
+        kl = torch.where(keep, kl_estimate(logp, torch.where(keep, logp_ref, 0.0), cfg.kl_estimator), 0.0)
         kl_sum = float(kl.detach().sum())
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
-    loss = torch.where(keep, per_token, 0.0).sum() / denom
+        if cfg.kl_coef:
+            per_token = per_token + cfg.kl_coef * kl
+    elif cfg.kl_coef:
+        raise ValueError("kl_coef needs logp_ref, the reference policy's logprobs")
+    if cfg.entropy_coef:
+        per_token = per_token - cfg.entropy_coef * torch.where(keep, entropy, 0.0)
+    loss = (torch.where(keep, per_token, 0.0) * weights.to(per_token.dtype).unsqueeze(1)).sum()
     with torch.no_grad():
-        clipped = ((ratio - 1.0).abs() > clip_range)[keep].sum()
-        # samples come from the sampler, so KL(sampler || current) is the one k3 estimates here
-        approx_kl = k3_kl(logp_old, logp)[keep].sum()
-        ent = entropy[keep].sum() if entropy is not None else torch.zeros(())
-    return LossOut(loss, tokens, float(clipped), float(approx_kl), kl_sum, float(ent))
+        clipped = ((ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high))[keep].sum()
+        approx_kl = k3_kl(old, logp)[keep].sum()
+        ent = entropy.detach()[keep].sum() if entropy is not None else torch.zeros(())
+    return LossOut(loss, tokens, float(clipped), float(approx_kl), kl_sum, float(ent),
+                   is_w_sum, is_capped_sum, mismatch_sum)
+
+
+def overlong_penalty(gen_tokens: int, max_len: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment, added to the episode's reward.
+
+    gen_tokens: the episode's policy tokens |y|; max_len: L_max; buffer: L_cache.
+    0 when |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache inside the
+    buffer; -1 beyond L_max; times `factor`. buffer 0 gives 0 (off).
+    Source: Yu et al. 2025, DAPO, arXiv 2503.14476 eq. 13.
+    """
+    if buffer <= 0:
+        return 0.0
+    free = max_len - buffer
+    if gen_tokens <= free:
+        return 0.0
+    if gen_tokens <= max_len:
+        return factor * (free - gen_tokens) / buffer
+    return -factor
+
+
+def lr_factor(progress: float, total: float, warmup: float, schedule: str) -> float:
+    """The learning-rate multiplier at `progress` steps of `total` (floats: an update
+    inside a step counts fractionally): linear from 0 to 1 over `warmup` steps, then
+    "constant" 1, "linear" down to 0 at `total`, or "cosine" 0.5 (1 + cos(pi p)) with p
+    the fraction of the post-warmup steps done.
+    Source: transformers' get_{constant,linear,cosine}_schedule_with_warmup (what TRL
+    uses; cosine after Loshchilov & Hutter 2017, arXiv 1608.03983).
+    Raises ValueError for an unknown schedule.
+    """
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"lr_schedule must be constant, linear or cosine, got {schedule!r}")
+    if warmup > 0 and progress < warmup:
+        return progress / warmup
+    if schedule == "constant":
+        return 1.0
+    p = min(1.0, max(0.0, (progress - warmup) / max(total - warmup, 1e-9)))
+    return 1.0 - p if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))

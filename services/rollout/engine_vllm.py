@@ -14,6 +14,13 @@ Nothing but service.py imports this module.
   just the changed tensors (full-weight jobs, and adapters vLLM cannot apply). vLLM fuses q/k/v (and gate/up) into one parameter and
   re-processes it only when every part arrives, so callers send whole fused groups
   (`packed_modules`, weights.HeldWeights does this).
+- Prefix caching stays on (vLLM V1's default): the group_size episodes of a group share
+  their prompt, so its KV blocks are computed once. Those blocks hold keys/values of the
+  weights they were computed with, so every in-place reload resets the prefix cache
+  (`LLM.reset_prefix_cache`, as vLLM's RLHF examples and TRL do after a weight sync);
+  otherwise a prompt sharing a cached prefix is sampled against stale keys/values
+  (tests/integration/test_vllm_reload.py measures the difference). LoRA requests need
+  no reset: vLLM keys cached blocks by adapter, and an adapter folder is never rewritten.
 """
 
 from __future__ import annotations
@@ -151,11 +158,63 @@ class VLLMEngine:
         self.lora = LoRARequest(f"adapter-{lora_id}", lora_id, adapter_dir)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Reload `tensors` (Hugging Face names) in place. Fused parameters (qkv_proj,
-        gate_up_proj) must arrive whole: pass every part of a group."""
+        """Reload `tensors` (Hugging Face names) in place, then drop the prefix cache.
+
+        Fused parameters (qkv_proj, gate_up_proj) must arrive whole: pass every part of
+        a group. Cached KV blocks were computed with the old weights, so the prefix cache
+        is reset after every reload (module docstring). Raises RuntimeError when vLLM
+        refuses the reset (it does while a request still holds KV blocks; generate()
+        and this method run on one thread per engine, service.EngineSlot.executor).
+        No tensors: nothing changes, the cache is kept.
+        """
+        if not tensors:
+            return
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
         if any(name.endswith("embed_tokens.weight") for name in tensors):
             self.llm.collective_rpc(_refresh_tied_lm_head)
+        self._reset_prefix_cache()
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether vLLM reuses KV blocks across requests with a common prefix."""
+        return bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+
+    def _reset_prefix_cache(self) -> None:
+        # vLLM 0.32 LLM.reset_prefix_cache -> BlockPool.reset_prefix_cache: False (and a
+        # warning) when some KV blocks are still in use by a request
+        if self.prefix_caching and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload (KV blocks "
+                               "still in use by a request): cached prefixes would keep the old weights")
+
+    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
+        """Score prompts under the current weights (and the current `use_lora` adapter).
+
+        prompts: B lists of token ids, each of length L_b >= 1 and < max_model_len.
+        Returns B lists of length L_b: element t is log p(prompt[t] | prompt[:t]) in nats
+        (natural log, the raw distribution: no temperature or top-p), element 0 is None.
+        vLLM computes these with SamplingParams(prompt_logprobs=0, max_tokens=1,
+        temperature=0); such requests never read the prefix cache (vLLM 0.32
+        SamplingParams.skip_reading_prefix_cache), so every position is recomputed.
+        Raises ValueError for an empty prompt or one with no room under max_model_len.
+        """
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        for i, p in enumerate(prompts):
+            if not p or len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens: need 1 to {self.max_model_len - 1}")
+        params = VSamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0.0)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.lora)
+        res: list[list[float | None]] = []
+        for p, o in zip(prompts, outs):
+            plps = o.prompt_logprobs or []
+            if len(plps) != len(p):
+                raise RuntimeError(f"vLLM returned {len(plps)} prompt logprobs for {len(p)} tokens")
+            res.append([None] + [float(d[t].logprob) for d, t in zip(plps[1:], p[1:])])
+        return res
 
 
 def _packed_modules(worker) -> dict[str, list[str]]:

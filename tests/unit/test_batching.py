@@ -153,3 +153,156 @@ def test_step_advantages_without_errors_are_grpos_and_check_the_step_size():
         step_advantages([episode(1.0)] * 5, prompts_per_step=3, group_size=2)
     with pytest.raises(ValueError, match="credit"):
         step_advantages([episode(1.0)] * 2, prompts_per_step=1, group_size=2, credit="token")
+
+
+# --- the objective's options at the step level (estimators, reward shaping, filtering) ---
+
+def test_reinforce_pp_scales_the_group_centred_advantages_over_the_whole_step():
+    from opentinker.services.learner.batching import step_advantages
+
+    # group 0 [1, 0, 0]: mean 1/3 -> [2/3, -1/3, -1/3]; group 1 [2, 2, -1]: mean 1 -> [1, 1, -2]
+    rewards = [1.0, 0.0, 0.0, 2.0, 2.0, -1.0]
+    centred = [2 / 3, -1 / 3, -1 / 3, 1.0, 1.0, -2.0]
+    # population std over the step (mean 0): sqrt((4/9 + 1/9 + 1/9 + 1 + 1 + 4) / 6) = sqrt(10/9)
+    scale = 1 / ((10 / 9) ** 0.5 + 1e-6)
+    step = step_advantages([episode(r, group=k // 3, k=k) for k, r in enumerate(rewards)],
+                           prompts_per_step=2, group_size=3, estimator="reinforce_pp")
+    assert step.advantages == pytest.approx([c * scale for c in centred], rel=1e-6)
+    # an errored episode is left out of its group's mean and of the step's scale
+    trajs = [episode(r, group=k // 3, k=k) for k, r in enumerate(rewards)]
+    trajs[5] = episode(-1.0, "env crashed", group=1, k=5)
+    step = step_advantages(trajs, prompts_per_step=2, group_size=3, estimator="reinforce_pp")
+    # group 1 is now [2, 2]: all 0; the scale is over [2/3, -1/3, -1/3, 0, 0]: sqrt((6/9) / 5)
+    scale = 1 / ((6 / 45) ** 0.5 + 1e-6)
+    assert step.advantages == pytest.approx([2 / 3 * scale, -1 / 3 * scale, -1 / 3 * scale, 0, 0, 0], rel=1e-6)
+    assert step.zero_groups == [False, True]
+
+
+def test_rloo_and_dr_grpo_step_advantages():
+    from opentinker.services.learner.batching import step_advantages
+
+    trajs = [episode(r, k=k) for k, r in enumerate([1.0, 0.0, 0.0, 0.5])]  # mean 0.375
+    rloo = step_advantages(trajs, prompts_per_step=1, group_size=4, estimator="rloo")
+    assert rloo.advantages == pytest.approx([1 - 0.5 / 3, 0 - 1.5 / 3, 0 - 1.5 / 3, 0.5 - 1 / 3], rel=1e-6)
+    dr = step_advantages(trajs, prompts_per_step=1, group_size=4, estimator="dr_grpo")
+    assert dr.advantages == pytest.approx([0.625, -0.375, -0.375, 0.125], rel=1e-6)
+
+
+def test_reward_bonus_shifts_the_rewards_before_the_advantages():
+    from opentinker.services.learner.batching import step_advantages
+
+    # equal rewards, no signal; the bonus (a KL or overlong penalty) makes [1, 0.5]:
+    # mean 0.75, sample std sqrt(2 * 0.0625) = 0.25 * sqrt(2)
+    trajs = [episode(1.0, k=0), episode(1.0, k=1)]
+    assert step_advantages(trajs, 1, 2).advantages == [0.0, 0.0]
+    step = step_advantages(trajs, 1, 2, reward_bonus=[0.0, -0.5])
+    s = 0.25 * 2 ** 0.5 + 1e-6
+    assert step.advantages == pytest.approx([0.25 / s, -0.25 / s], rel=1e-6)
+    assert step.zero_groups == [False]
+    with pytest.raises(ValueError, match="reward_bonus"):
+        step_advantages(trajs, 1, 2, reward_bonus=[0.0])
+
+
+def test_reward_bonus_with_turn_credit_goes_to_the_last_turn():
+    from opentinker.services.learner.batching import step_advantages
+
+    def two_turns(r0, r1, k):
+        # prompt [0, 2), turn 0 policy [2, 4), observation [4, 5), turn 1 policy [5, 7)
+        return Trajectory(job_id="j", request_id="r", episode_id=f"e{k}", step=0, group_index=0, group_size=2,
+                          token_ids=[1, 2, 3, 4, 5, 6, 7], loss_mask=[0, 0, 1, 1, 0, 1, 1],
+                          logprobs=[0, 0, -1, -1, 0, -1, -1], prompt_len=2,
+                          turns=[TurnRecord(gen_start=2, gen_end=4, obs_end=5, reward=r0),
+                                 TurnRecord(gen_start=5, gen_end=7, obs_end=7, reward=r1)],
+                          reward=r0 + r1, policy_version=0)
+
+    # gamma 0.5, bonus -1 on episode 1's last turn: turn rewards A [0, 1], B [0, 1 - 1 = 0]
+    # returns A [0.5, 1], B [0, 0]; whole [0.5, 0]: mean 0.25, sample std 0.25 * sqrt(2)
+    step = step_advantages([two_turns(0.0, 1.0, 0), two_turns(0.0, 1.0, 1)], 1, 2, credit="turn",
+                           turn_discount=0.5, reward_bonus=[0.0, -1.0])
+    s = 0.25 * 2 ** 0.5 + 1e-6
+    a0, a1 = 0.25 / s, 0.75 / s
+    b0, b1 = -0.25 / s, -0.25 / s
+    assert step.advantages[0] == pytest.approx([0, 0, a0, a0, 0, a1, a1], rel=1e-6)
+    assert step.advantages[1] == pytest.approx([0, 0, b0, b0, 0, b1, b1], rel=1e-6)
+
+
+def test_mask_out_counts_in_the_statistics_but_does_not_train():
+    from opentinker.services.learner.batching import step_advantages
+
+    # DAPO's overlong filtering: episode 1 (truncated) counts in the group's mean and std
+    # (rewards [1, 0, 0, 1]: mean 0.5, sample std sqrt(1/3)) but gets advantage 0, no loss
+    trajs = [episode(r, k=k) for k, r in enumerate([1.0, 0.0, 0.0, 1.0])]
+    step = step_advantages(trajs, 1, 4, mask_out=[False, True, False, False])
+    s = 3 ** -0.5 + 1e-6
+    assert step.advantages == pytest.approx([0.5 / s, 0.0, -0.5 / s, 0.5 / s], rel=1e-6)
+    assert step.excluded == [False, True, False, False] and step.excluded_frac == 0.25
+    batch = build_batch(trajs, step.advantages, pad_id=0, exclude=step.excluded)
+    assert batch.loss_mask.sum(1).tolist() == [2.0, 0.0, 2.0, 2.0]
+    # leaving it out of the statistics instead ([1, 0, 1]) would give other numbers
+    s3 = 3 ** -0.5 + 1e-6
+    assert step.advantages[0] != pytest.approx((1 / 3) / s3, rel=1e-3)
+    with pytest.raises(ValueError, match="mask_out"):
+        step_advantages(trajs, 1, 4, mask_out=[False])
+
+
+def test_zero_groups_and_zero_variance_frac():
+    from opentinker.services.learner.batching import StepAdvantages, step_advantages
+
+    g0 = [episode(1.0, group=0, k=0), episode(1.0, group=0, k=1)]             # equal rewards
+    g1 = [episode(1.0, group=1, k=0), episode(0.0, group=1, k=1)]             # signal
+    g2 = [episode(1.0, group=2, k=0), episode(0.0, "engine error", group=2, k=1)]  # one left: no baseline
+    g3 = [episode(1.0, group=3, k=0), episode(0.0, group=3, k=1)]             # signal, but all masked out
+    step = step_advantages(g0 + g1 + g2 + g3, prompts_per_step=4, group_size=2,
+                           mask_out=[False] * 6 + [True, True])
+    assert step.zero_groups == [True, False, True, True]
+    assert step.zero_variance_frac == 0.75
+    assert StepAdvantages([], [], []).zero_variance_frac == 0.0
+    turn = step_advantages(g0 + g1, prompts_per_step=2, group_size=2, credit="turn")
+    assert turn.zero_groups == [True, False] and turn.zero_variance_frac == 0.5
+
+
+def test_micro_batch_indices_respect_a_token_budget():
+    from opentinker.services.learner.batching import micro_batch_indices
+
+    lengths = [5, 2, 9, 3, 4, 20]
+    # sorted by length: 1 (2), 3 (3), 4 (4), 0 (5), 2 (9), 5 (20)
+    assert micro_batch_indices(lengths, 4) == [[1, 3, 4, 0], [2, 5]]
+    # budget 12 padded tokens: [1, 3, 4] is 3 x 4 = 12; adding 0 would be 4 x 5 = 20;
+    # [0, 2] would be 2 x 9 = 18; 20 > 12 alone
+    groups = micro_batch_indices(lengths, 4, max_tokens=12)
+    assert groups == [[1, 3, 4], [0], [2], [5]]
+    for g in groups:
+        assert len(g) * max(lengths[i] for i in g) <= 12 or len(g) == 1
+    assert micro_batch_indices(lengths, 2, max_tokens=1000) == [[1, 3], [4, 0], [2, 5]]
+    assert sorted(i for g in micro_batch_indices(lengths, 3, max_tokens=10) for i in g) == list(range(6))
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        micro_batch_indices(lengths, 0)
+
+
+def test_micro_batches_with_a_token_budget_pad_within_it():
+    trajs = [traj(list(range(1, n + 1)), [0] + [1] * (n - 1), [0.0] + [-0.1] * (n - 1), episode=f"e{n}")
+             for n in (3, 7, 4, 12, 3)]
+    mbs = micro_batches(trajs, [0.0] * 5, 8, pad_id=0, max_tokens=14)
+    assert [tuple(b.input_ids.shape) for b in mbs] == [(3, 4), (1, 7), (1, 12)]
+    assert sum(b.num_tokens for b in mbs) == sum(sum(t.loss_mask) for t in trajs)
+
+
+def test_update_plan_epochs_and_mini_batches():
+    from opentinker.services.learner.batching import update_plan
+
+    episodes = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    plan = update_plan(episodes, mini_batches=3, epochs=2, seed=7)
+    assert len(plan) == 6
+    assert plan[:3] == plan[3:]  # every epoch reuses the same mini-batches
+    assert sorted(len(p) for p in plan[:3]) == [3, 3, 4]
+    assert sorted(i for p in plan[:3] for i in p) == episodes  # each episode once per epoch
+    assert update_plan(episodes, 3, 2, seed=7) == plan  # deterministic
+    others = [update_plan(episodes, 3, 2, seed=s) for s in (1, 2, 3)]
+    assert any(o != plan for o in others)  # the seed shuffles
+    assert plan[0] + plan[1] + plan[2] != episodes  # shuffled, not in order
+    # one mini-batch: the whole step, in order, once per epoch
+    assert update_plan(episodes, 1, 3, seed=7) == [episodes] * 3
+    # more mini-batches than episodes: one episode each
+    small = update_plan([4, 5, 6], 8, 1, seed=0)
+    assert sorted(small) == [[4], [5], [6]]
+    assert update_plan([], 2, 2, seed=0) == []

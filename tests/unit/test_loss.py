@@ -1,11 +1,20 @@
-"""The GRPO objective: advantages, clipped surrogate, masking, KL, normalization."""
+"""The GRPO objective: advantages, clipped surrogate, masking, KL, normalization.
+
+Options beyond GRPO's defaults (estimators, clip-higher, dual clip, GSPO, loss
+aggregation, rollout correction, ...) are in test_loss_options.py."""
 
 import math
 
 import pytest
 import torch
 
-from opentinker.services.learner.loss import group_advantages, grpo_loss, k3_kl, token_logprobs
+from opentinker.services.learner.loss import (AggTotals, LossConfig, aggregation_weights, group_advantages,
+                                              k3_kl, policy_loss, token_logprobs)
+
+
+def clip(eps: float, **kw) -> LossConfig:
+    """GRPO's symmetric clip [1 - eps, 1 + eps], other options as given."""
+    return LossConfig(clip_low=eps, clip_high=eps, **kw)
 
 
 def test_advantages_are_group_relative_and_zero_for_a_flat_group():
@@ -28,7 +37,7 @@ def test_clipped_surrogate_matches_hand_computation():
     logp = torch.log(torch.tensor([[0.75, 0.3, 0.55]]))
     mask = torch.ones(1, 3)
     for a in (1.0, -2.0):
-        out = grpo_loss(logp, logp_old, torch.tensor([a]), mask, eps)
+        out = policy_loss(logp, logp_old, torch.tensor([a]), mask, clip(eps))
         hand = [-min(r * a, max(min(r, 1 + eps), 1 - eps) * a) for r in (1.5, 0.6, 1.1)]
         assert out.loss.item() == pytest.approx(sum(hand) / 3, rel=1e-5)
     assert out.clipped_sum == 2.0  # |rho - 1| > eps at the first two tokens
@@ -37,7 +46,7 @@ def test_clipped_surrogate_matches_hand_computation():
 def test_gradient_is_zero_where_the_clip_binds():
     logp_old = torch.zeros(1, 2)
     logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
-    grpo_loss(logp, logp_old, torch.tensor([1.0]), torch.ones(1, 2), 0.2).loss.backward()
+    policy_loss(logp, logp_old, torch.tensor([1.0]), torch.ones(1, 2), clip(0.2)).loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
 
 
@@ -47,14 +56,14 @@ def test_masked_tokens_contribute_nothing():
     logp_old, logp_ref = -torch.rand(2, 5), -torch.rand(2, 5)
     mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]], dtype=torch.float32)
     adv = torch.tensor([1.0, -1.0])
-    out = grpo_loss(logp, logp_old, adv, mask, 0.2, logp_ref=logp_ref, kl_coef=0.1)
+    out = policy_loss(logp, logp_old, adv, mask, clip(0.2, kl_coef=0.1), logp_ref=logp_ref)
     out.loss.backward()
     assert torch.all(logp.grad[mask == 0] == 0)
     assert out.tokens == 5.0
     # wild values under the mask (padding, prompt tokens) change nothing
     wild = logp.detach().clone()
     wild[mask == 0] = -50.0
-    out2 = grpo_loss(wild, logp_old, adv, mask, 0.2, logp_ref=logp_ref, kl_coef=0.1)
+    out2 = policy_loss(wild, logp_old, adv, mask, clip(0.2, kl_coef=0.1), logp_ref=logp_ref)
     assert out2.loss.item() == pytest.approx(out.loss.item())
     assert out2.kl_sum == pytest.approx(out.kl_sum)
 
@@ -63,7 +72,7 @@ def test_k3_kl_is_zero_for_equal_policies_and_positive_otherwise():
     logp = -torch.rand(3, 4)
     assert torch.all(k3_kl(logp, logp) == 0)
     assert torch.all(k3_kl(logp, logp - 0.3) > 0)
-    out = grpo_loss(logp, logp, torch.ones(3), torch.ones(3, 4), 0.2, logp_ref=logp, kl_coef=1.0)
+    out = policy_loss(logp, logp, torch.ones(3), torch.ones(3, 4), clip(0.2, kl_coef=1.0), logp_ref=logp)
     assert out.kl_sum == 0.0 and out.approx_kl_sum == 0.0
 
 
@@ -72,10 +81,17 @@ def test_micro_batch_losses_add_up_to_the_token_mean():
     logp, logp_old = -torch.rand(4, 6), -torch.rand(4, 6)
     mask = (torch.rand(4, 6) > 0.3).float()
     adv = torch.randn(4)
-    whole = grpo_loss(logp, logp_old, adv, mask, 0.2).loss
+    whole = policy_loss(logp, logp_old, adv, mask, clip(0.2)).loss
     total = float(mask.sum())
-    parts = sum(grpo_loss(logp[k:k + 2], logp_old[k:k + 2], adv[k:k + 2], mask[k:k + 2], 0.2,
-                          num_tokens=total).loss for k in (0, 2))
+    # each micro-batch weighted by the whole update's token count (old num_tokens=)
+    parts = sum(policy_loss(logp[k:k + 2], logp_old[k:k + 2], adv[k:k + 2], mask[k:k + 2], clip(0.2),
+                            weights=torch.full((2,), 1.0 / total)).loss for k in (0, 2))
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+    # the same through aggregation_weights with the update's totals
+    totals = AggTotals(tokens=total, seqs=float((mask.sum(1) > 0).sum()), max_len=6.0)
+    parts = sum(policy_loss(logp[k:k + 2], logp_old[k:k + 2], adv[k:k + 2], mask[k:k + 2], clip(0.2),
+                            weights=aggregation_weights(mask[k:k + 2], "token-mean", totals)).loss
+                for k in (0, 2))
     assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -104,8 +120,8 @@ def test_non_finite_values_under_the_mask_do_not_leak():
     logp_old = torch.tensor([[0.0, -1.2, float("nan")]])
     mask = torch.tensor([[0.0, 1.0, 0.0]])
     logp_ref = torch.tensor([[float("nan"), -1.1, float("nan")]])
-    out = grpo_loss(logp, logp_old, torch.tensor([1.0]), mask, 0.2, logp_ref=logp_ref, kl_coef=0.5,
-                    entropy=torch.tensor([[float("nan"), 2.0, 0.0]]))
+    out = policy_loss(logp, logp_old, torch.tensor([1.0]), mask, clip(0.2, kl_coef=0.5), logp_ref=logp_ref,
+                      entropy=torch.tensor([[float("nan"), 2.0, 0.0]]))
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all()
     assert out.entropy_sum == 2.0 and math.isfinite(out.kl_sum) and out.kl_sum > 0
@@ -143,12 +159,12 @@ def test_per_token_advantages_weight_each_token():
     logp = logp_old.clone().requires_grad_(True)
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
     adv = torch.tensor([[2.0, 2.0, 9.0, -1.0]])
-    out = grpo_loss(logp, logp_old, adv, mask, clip_range=0.2)
+    out = policy_loss(logp, logp_old, adv, mask, clip(0.2))
     out.loss.backward()
     # d(-rho * A)/d logp at rho = 1 is -A, over 3 policy tokens; the masked one gets nothing
     assert logp.grad[0].tolist() == pytest.approx([-2 / 3, -2 / 3, 0.0, 1 / 3])
     with pytest.raises(ValueError, match="advantages must be"):
-        grpo_loss(logp, logp_old, torch.zeros(1, 3), mask, clip_range=0.2)
+        policy_loss(logp, logp_old, torch.zeros(1, 3), mask, clip(0.2))
 
 
 def test_a_group_of_equal_rewards_gets_exactly_zero_advantage():

@@ -1,0 +1,334 @@
+"""The pure parts of bench/e2e_grpo.py: reward curves, rates, time to a reward, span
+parsing and the step breakdown, the ratio table, the figure. Standard library only
+(matplotlib for `plot`, imported there); tested in tests/unit/test_bench_report.py.
+
+Definitions (every system alike):
+
+- A run is its per-step train rewards and the wall time at the end of each step,
+  counted in seconds from the start of training (TRL: `on_train_begin`; OpenTinker:
+  the start of step 0, i.e. the learner's first metrics time minus that step's
+  `step_time_s`). Model loading, engine start and job placement are startup, reported
+  apart.
+- steps/s: over the steps after the first, (n - 1) / (end of step n - end of step 1):
+  the first step carries the warm-up (and, for OpenTinker, the version-0 evaluation,
+  which the job always runs when evaluation is on).
+- time to a reward: the end time of the first step at which the trailing mean of the
+  last `k` train rewards (full windows only) reaches the threshold; None if never.
+- a ratio "A vs B" is a speedup of A over B (> 1: A is faster): steps/s A / steps/s B,
+  and time-to-reward B / time-to-reward A.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+THRESHOLD = 0.8
+WINDOW = 5
+
+# The step breakdown: category -> the span names (services' tracing.span) that time it.
+# Concurrent spans of one category (32 episodes' env calls at once) count once: a
+# category's time is the wall time covered by at least one of its spans.
+SPAN_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "generation": ("rollout.generate",),
+    "env": ("rollout.env_init", "rollout.env_reset", "rollout.env_step"),
+    "forward_backward": ("learner.forward_backward",),
+    "optimizer": ("learner.optimizer", "learner.accumulate"),
+    "batching": ("learner.batch",),
+    "weights_publish": ("learner.publish_weights",),
+    "weights_load": ("rollout.load_policy",),
+    # in place, beside the direct bus measurement: the rollout's publish of each
+    # trajectory (encode, JetStream ack) and the learner's handling of each (decode, ledger)
+    "traj_publish": ("rollout.publish_trajectory",),
+    "learner_trajectory": ("learner.trajectory",),
+    "learner_step": ("learner.step",),
+}
+# learner metrics that, when the learner reports them, time a category directly
+METRIC_CATEGORIES: dict[str, str] = {"forward_backward": "fwd_bwd_s", "optimizer": "optimizer_s",
+                                     "weights_publish": "weights_s"}
+# learner metrics reported beside the breakdown: the whole train call, and the wait for rollouts
+METRIC_ROWS: dict[str, str] = {"learner_train": "train_time_s", "learner_wait": "wait_time_s"}
+
+
+def first_last(rewards: Sequence[float], k: int = WINDOW) -> tuple[float, float]:
+    """Mean of the first and of the last `k` rewards (k shrinks to half a short run)."""
+    if not rewards:
+        return math.nan, math.nan
+    k = min(k, max(1, len(rewards) // 2))
+    return statistics.fmean(rewards[:k]), statistics.fmean(rewards[-k:])
+
+
+def moving_average(values: Sequence[float], k: int = WINDOW) -> list[float | None]:
+    """Trailing mean of the last `k` values at each index; None before a full window."""
+    out: list[float | None] = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= k:
+            total -= values[i - k]
+        out.append(total / k if i >= k - 1 else None)
+    return out
+
+
+def time_to_threshold(times: Sequence[float], values: Sequence[float], threshold: float = THRESHOLD,
+                      k: int = WINDOW) -> float | None:
+    """`times[i]` of the first i whose trailing k-mean of `values` is >= threshold."""
+    if len(times) != len(values):
+        raise ValueError(f"{len(times)} times for {len(values)} values")
+    for t, m in zip(times, moving_average(values, k)):
+        if m is not None and m >= threshold - 1e-12:
+            return t
+    return None
+
+
+def steady_rate(step_ends: Sequence[float]) -> float | None:
+    """Steps per second after the first step: (n - 1) / (ends[-1] - ends[0])."""
+    if len(step_ends) < 2 or step_ends[-1] <= step_ends[0]:
+        return None
+    return (len(step_ends) - 1) / (step_ends[-1] - step_ends[0])
+
+
+def summarize_run(rewards: Sequence[float], step_ends: Sequence[float], threshold: float = THRESHOLD,
+                  k: int = WINDOW) -> dict[str, Any]:
+    """The per-system numbers of one run: rewards per step and the end of each step in
+    seconds since the start of training."""
+    if len(rewards) != len(step_ends):
+        raise ValueError(f"{len(rewards)} rewards for {len(step_ends)} step ends")
+    f, last = first_last(rewards, k)
+    n = len(rewards)
+    train_s = step_ends[-1] if n else 0.0
+    return {
+        "steps": n,
+        "train_s": train_s,
+        "steps_per_s": steady_rate(step_ends),
+        "steps_per_s_incl_first": n / train_s if train_s > 0 else None,
+        f"time_to_{threshold:g}_s": time_to_threshold(step_ends, rewards, threshold, k),
+        "reward_first5": f,
+        "reward_last5": last,
+        "rewards": list(rewards),
+        "step_end_s": list(step_ends),
+    }
+
+
+def ttt_key(threshold: float = THRESHOLD) -> str:
+    return f"time_to_{threshold:g}_s"
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0 or (isinstance(a, float) and math.isnan(a)):
+        return None
+    return a / b
+
+
+def ratio_table(systems: Mapping[str, Mapping[str, Any]], threshold: float = THRESHOLD) -> dict[str, dict]:
+    """Speedups of each pair ("async_vs_trl", "sync_vs_trl", "async_vs_sync") present:
+    steps/s ratio, and time-to-threshold ratio (the other's time / this one's: > 1
+    means this one got there first). None where a number is missing (never reached)."""
+    key = ttt_key(threshold)
+    out: dict[str, dict] = {}
+    for a, b in (("async", "trl"), ("sync", "trl"), ("async", "sync")):
+        if a in systems and b in systems:
+            sa, sb = systems[a], systems[b]
+            out[f"{a}_vs_{b}"] = {"steps_per_s": _div(sa.get("steps_per_s"), sb.get("steps_per_s")),
+                                  key: _div(sb.get(key), sa.get(key))}
+    return out
+
+
+# -- spans ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str
+    start: float  # epoch seconds
+    end: float
+    service: str = ""
+    attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def _epoch(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()  # "...Z": UTC
+
+
+def parse_spans(lines: Iterable[str]) -> list[Span]:
+    """The spans among a service log's lines: the JSON objects OpenTelemetry's console
+    exporter writes, one per line (OTEL_TRACES_EXPORTER=console, services/core/tracing.py).
+    Other lines (logging, a line cut by a crash) are skipped."""
+    out = []
+    for line in lines:
+        line = line.strip()
+        if not line.startswith('{"name"'):
+            continue
+        try:
+            d = json.loads(line)
+            out.append(Span(d["name"], _epoch(d["start_time"]), _epoch(d["end_time"]),
+                            (d.get("resource") or {}).get("attributes", {}).get("service.name", ""),
+                            d.get("attributes") or {}))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def union_seconds(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> float:
+    """Wall time within [lo, hi] covered by at least one interval."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in clipped:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def span_breakdown(spans: Sequence[Span], lo: float, hi: float, steps: int,
+                   categories: Mapping[str, Sequence[str]] = SPAN_CATEGORIES) -> dict[str, dict]:
+    """Per category: seconds per step (union of its spans within [lo, hi], / steps)
+    and how many of its spans fell in the window (0: the span does not exist or never
+    ran)."""
+    out = {}
+    for cat, names in categories.items():
+        mine = [(s.start, s.end) for s in spans if s.name in names and s.end > lo and s.start < hi]
+        out[cat] = {"s_per_step": union_seconds(mine, lo, hi) / max(steps, 1), "spans": len(mine)}
+    return out
+
+
+def step_breakdown(spans: Sequence[Span], lo: float, hi: float, steps: int,
+                   metric_means: Mapping[str, float] | None = None,
+                   bus_s_per_step: float | None = None) -> dict[str, Any]:
+    """One step's time split into generation, env, bus + serialization, forward/backward,
+    optimizer and weight sync, over the steady window [lo, hi] holding `steps` steps.
+
+    A category the learner's metrics time (METRIC_CATEGORIES, when present in
+    `metric_means`) is taken from them, else from the spans. `bus_s_per_step`: the
+    directly measured bus + serialization time of one step's trajectories. Shares are
+    of the mean step time; under asynchrony, rollout (generation, env, weights_load)
+    overlaps training, so shares may sum past 1.
+    """
+    step_s = (hi - lo) / max(steps, 1)
+    from_spans = span_breakdown(spans, lo, hi, steps)
+    rows: dict[str, dict[str, Any]] = {}
+    for cat, v in from_spans.items():
+        metric = METRIC_CATEGORIES.get(cat)
+        if metric and metric_means and metric in metric_means:
+            rows[cat] = {"s_per_step": metric_means[metric], "source": f"metrics:{metric}"}
+        elif v["spans"]:
+            rows[cat] = {"s_per_step": v["s_per_step"], "source": "spans:" + ",".join(SPAN_CATEGORIES[cat])}
+        else:
+            rows[cat] = {"s_per_step": None, "source": "missing: no " + "/".join(SPAN_CATEGORIES[cat]) + " span"}
+    for row, metric in METRIC_ROWS.items():
+        if metric_means and metric in metric_means:
+            rows[row] = {"s_per_step": metric_means[metric], "source": f"metrics:{metric}"}
+    rows["bus_serialization"] = ({"s_per_step": bus_s_per_step, "source": "measured: msgspec + JetStream"}
+                                 if bus_s_per_step is not None else {"s_per_step": None, "source": "not measured"})
+    ws = [rows[c]["s_per_step"] for c in ("weights_publish", "weights_load")]
+    rows["weight_sync"] = {"s_per_step": sum(w for w in ws if w is not None) if any(w is not None for w in ws)
+                           else None, "source": "weights_publish + weights_load"}
+    for r in rows.values():
+        r["share"] = r["s_per_step"] / step_s if r["s_per_step"] is not None and step_s > 0 else None
+    return {"mean_step_s": step_s, "steps": steps, "window_s": hi - lo, "categories": rows}
+
+
+# -- bus measurement --------------------------------------------------------------
+
+
+def pick_step(trajs: Sequence[Any], episodes: int) -> list[Any]:
+    """The trajectories of the latest training step that has exactly `episodes`
+    distinct train episodes (first copy of each), or [] if none does."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for t in trajs:
+        if getattr(t, "purpose", "train") != "train" or getattr(t, "error", ""):
+            continue
+        by_step.setdefault(t.step, {}).setdefault(t.episode_id, t)
+    for step in sorted(by_step, reverse=True):
+        if len(by_step[step]) == episodes:
+            return list(by_step[step].values())
+    return []
+
+
+def median_rounds(rounds: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per key, the median over rounds."""
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]} if rounds else {}
+
+
+# -- figure -----------------------------------------------------------------------
+
+COLORS = {"trl": "C0", "sync": "C1", "async": "C2"}
+LABELS = {"trl": "TRL GRPOTrainer", "sync": "OpenTinker sync (max_staleness 0)",
+          "async": "OpenTinker async (max_staleness 1)"}
+
+
+def plot(systems: Mapping[str, Mapping[str, Any]], path: str, threshold: float = THRESHOLD,
+         k: int = WINDOW) -> None:
+    """Two panels: train reward (faint: per step; solid: trailing k-step mean) against
+    wall seconds since the start of training, and against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for i, (key, r) in enumerate(systems.items()):
+        color = COLORS.get(key, f"C{i + len(COLORS)}")
+        rewards = r["rewards"]
+        ma = [math.nan if m is None else m for m in moving_average(rewards, k)]
+        steps = list(range(1, len(rewards) + 1))
+        for ax, x in ((axes[0], r["step_end_s"]), (axes[1], steps)):
+            ax.plot(x, rewards, color=color, alpha=0.25, linewidth=1)
+            ax.plot(x, ma, color=color, linewidth=2, label=LABELS.get(key, key))
+    for ax, xlabel in zip(axes, ("wall seconds since the start of training", "training step")):
+        ax.axhline(threshold, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_xlim(left=0)
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[1].xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_ylabel(f"train reward ({k}-step mean solid)")
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle("GRPO on single-digit addition, SmolLM2-135M-Instruct (examples/arith_grpo.toml)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- console ----------------------------------------------------------------------
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def report_table(out: Mapping[str, Any], threshold: float = THRESHOLD) -> str:
+    """The results file's numbers as text: one row per system, the ratios, and each
+    OpenTinker run's step breakdown."""
+    key = ttt_key(threshold)
+    header = (f"{'system':<8}{'steps':>6}{'startup s':>11}{'steps/s':>9}{'to ' + format(threshold, 'g') + ' s':>9}"
+              f"{'first5':>8}{'last5':>7}{'base acc':>10}{'held-out acc':>14}")
+    lines = [header]
+    for name, r in out.get("systems", {}).items():
+        lines.append(f"{name:<8}{r.get('steps', 0):>6}{_fmt(r.get('startup_s'), '.1f'):>11}"
+                     f"{_fmt(r.get('steps_per_s'), '.4f'):>9}{_fmt(r.get(key), '.1f'):>9}"
+                     f"{_fmt(r.get('reward_first5'), '.3f'):>8}{_fmt(r.get('reward_last5'), '.3f'):>7}"
+                     f"{_fmt(r.get('base_accuracy'), '.3f'):>10}{_fmt(r.get('heldout_accuracy'), '.3f'):>14}")
+    for pair, v in out.get("ratios", {}).items():
+        lines.append(f"{pair}: steps/s x{_fmt(v.get('steps_per_s'), '.2f')}, time to {threshold:g} "
+                     f"x{_fmt(v.get(key), '.2f')} (> 1: the first is faster)")
+    for name, b in out.get("step_breakdown", {}).items():
+        lines.append(f"{name}: mean step {_fmt(b.get('mean_step_s'), '.2f')} s over {b.get('steps')} steps")
+        for cat, r in b.get("categories", {}).items():
+            lines.append(f"  {cat:<20}{_fmt(r.get('s_per_step'), '.3f'):>8} s  {_fmt(r.get('share'), '.1%'):>7}"
+                         f"  {r.get('source', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""The pure parts of the end-to-end benchmark (bench/e2e_report.py, bench/e2e_grpo.py's
+spec building): moving averages, time to a reward, rates, span parsing and the step
+breakdown, the ratio table, the figure. No stack, no model."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    """A bench script as a module (bench/ is not a package; e2e_grpo imports e2e_report
+    from beside itself)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+R = _load("e2e_report")
+
+
+def test_moving_average_is_trailing_and_needs_a_full_window():
+    assert R.moving_average([0, 1, 2, 3, 4, 5], 3) == [None, None, 1.0, 2.0, 3.0, 4.0]
+    assert R.moving_average([1.0], 5) == [None]
+    assert R.moving_average([], 5) == []
+
+
+def test_time_to_threshold_uses_the_five_step_mean():
+    times = [10.0 * (i + 1) for i in range(10)]
+    # one lucky step is not enough; the mean of steps 5..9 (0-based 4..8) reaches 0.8
+    rewards = [0.0, 1.0, 0.0, 0.0, 0.8, 0.8, 0.8, 0.8, 0.8, 0.9]
+    assert R.time_to_threshold(times, rewards, 0.8, 5) == 90.0
+    assert R.time_to_threshold(times, [0.5] * 10, 0.8, 5) is None
+    assert R.time_to_threshold(times[:4], [1.0] * 4, 0.8, 5) is None  # no full window
+    assert R.time_to_threshold(times[:5], [1.0] * 5, 0.8, 5) == 50.0
+    with pytest.raises(ValueError):
+        R.time_to_threshold([1.0], [1.0, 1.0])
+
+
+def test_steady_rate_leaves_out_the_first_step():
+    assert R.steady_rate([30.0, 40.0, 50.0]) == pytest.approx(2 / 20)
+    assert R.steady_rate([30.0]) is None
+    assert R.steady_rate([]) is None
+
+
+def test_first_last_and_summarize_run():
+    assert R.first_last([0.0] * 5 + [1.0] * 5) == (0.0, 1.0)
+    assert R.first_last([0.0, 1.0]) == (0.0, 1.0)  # a short run: halves
+    assert all(math.isnan(x) for x in R.first_last([]))
+    rewards = [0.1] * 5 + [0.9] * 5
+    ends = [5.0 + 2.0 * i for i in range(10)]
+    s = R.summarize_run(rewards, ends)
+    assert s["steps"] == 10 and s["train_s"] == 23.0
+    assert s["steps_per_s"] == pytest.approx(9 / 18)
+    assert s["steps_per_s_incl_first"] == pytest.approx(10 / 23)
+    assert s[R.ttt_key()] == ends[9]
+    assert (s["reward_first5"], s["reward_last5"]) == pytest.approx((0.1, 0.9))
+    with pytest.raises(ValueError):
+        R.summarize_run([0.1], [])
+
+
+def test_ratio_table_speedups_and_missing_numbers():
+    key = R.ttt_key()
+    systems = {"trl": {"steps_per_s": 0.05, key: 400.0},
+               "sync": {"steps_per_s": 0.1, key: None},
+               "async": {"steps_per_s": 0.15, key: 200.0}}
+    t = R.ratio_table(systems)
+    assert t["async_vs_trl"]["steps_per_s"] == pytest.approx(3.0)
+    assert t["async_vs_trl"][key] == pytest.approx(2.0)  # trl's time / ours: > 1, we are faster
+    assert t["sync_vs_trl"][key] is None                 # sync never reached it
+    assert t["async_vs_sync"]["steps_per_s"] == pytest.approx(1.5)
+    assert R.ratio_table({"trl": systems["trl"], "async": systems["async"]}).keys() == {"async_vs_trl"}
+    assert R.ratio_table({"async": systems["async"]}) == {}
+
+
+# a line as services/core/tracing.py's console exporter writes it
+LINE = ('{"name": "learner.forward_backward", "context": {"trace_id": "0x5b", "span_id": "0xf0", '
+        '"trace_state": "[]"}, "kind": "SpanKind.INTERNAL", "parent_id": "0x33", '
+        '"start_time": "2026-11-23T17:22:02.500000Z", "end_time": "2026-11-23T17:22:04.000000Z", '
+        '"status": {"status_code": "UNSET"}, "attributes": {"ot.micro_batch": 1}, "events": [], "links": [], '
+        '"resource": {"attributes": {"service.name": "opentinker-learner"}, "schema_url": ""}}')
+
+
+def test_parse_spans_reads_console_exporter_lines_and_skips_the_rest():
+    spans = R.parse_spans(["INFO learner: job x step 3", LINE, LINE[:80], "", "{not json"])
+    assert len(spans) == 1
+    s = spans[0]
+    assert s.name == "learner.forward_backward" and s.service == "opentinker-learner"
+    assert s.duration == pytest.approx(1.5)
+    assert s.attrs == {"ot.micro_batch": 1}
+
+
+def test_parse_spans_matches_the_real_exporter_format():
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+    buf = io.StringIO()
+    provider = TracerProvider(resource=Resource.create({"service.name": "opentinker-rollout"}))
+    # the same formatter as tracing.setup
+    provider.add_span_processor(SimpleSpanProcessor(
+        ConsoleSpanExporter(out=buf, formatter=lambda s: s.to_json(indent=None) + "\n")))
+    tracer = provider.get_tracer("t")
+    with tracer.start_as_current_span("rollout.generate", attributes={"ot.prompts": 32}), \
+            tracer.start_as_current_span("rollout.env_step"):
+        pass
+    provider.shutdown()
+    spans = R.parse_spans(buf.getvalue().splitlines())
+    assert [s.name for s in spans] == ["rollout.env_step", "rollout.generate"]
+    assert spans[1].attrs["ot.prompts"] == 32 and spans[1].service == "opentinker-rollout"
+    assert spans[1].start <= spans[0].start <= spans[0].end <= spans[1].end
+
+
+def test_union_seconds_counts_overlaps_once_and_clips_to_the_window():
+    assert R.union_seconds([(0, 2), (1, 3), (5, 6)], 0, 10) == 4
+    assert R.union_seconds([(0, 2), (1, 3), (5, 6)], 1.5, 5.5) == pytest.approx(2.0)
+    assert R.union_seconds([(0, 1)], 2, 3) == 0
+    assert R.union_seconds([], 0, 1) == 0
+
+
+def sp(name: str, a: float, b: float):
+    return R.Span(name, a, b)
+
+
+def test_step_breakdown_from_spans_metrics_and_the_bus():
+    # a window of 2 steps, 10 s each
+    spans = [sp("rollout.generate", 100, 103), sp("rollout.generate", 110, 113),
+             # 32 concurrent env calls count as their union
+             *[sp("rollout.env_step", 103, 103.5) for _ in range(32)], sp("rollout.env_step", 113, 113.5),
+             sp("learner.forward_backward", 104, 108), sp("learner.forward_backward", 114, 118),
+             sp("learner.optimizer", 108, 108.5), sp("learner.accumulate", 118, 118.5),
+             sp("learner.publish_weights", 109, 109.2), sp("rollout.load_policy", 110, 110.3),
+             sp("learner.forward_backward", 50, 60)]  # outside the window: another job
+    b = R.step_breakdown(spans, 100, 120, 2, {"optimizer_s": 0.7, "wait_time_s": 3.0}, bus_s_per_step=0.05)
+    c = b["categories"]
+    assert b["mean_step_s"] == 10
+    assert c["generation"]["s_per_step"] == pytest.approx(3.0)
+    assert c["env"]["s_per_step"] == pytest.approx(0.5)
+    assert c["forward_backward"]["s_per_step"] == pytest.approx(4.0)
+    assert c["forward_backward"]["share"] == pytest.approx(0.4)
+    assert c["optimizer"] == {"s_per_step": 0.7, "source": "metrics:optimizer_s", "share": pytest.approx(0.07)}
+    assert c["weight_sync"]["s_per_step"] == pytest.approx((0.2 + 0.3) / 2)
+    assert c["bus_serialization"]["s_per_step"] == 0.05
+    assert c["learner_wait"]["s_per_step"] == 3.0
+    assert c["batching"]["s_per_step"] is None and c["batching"]["source"].startswith("missing")
+    assert "learner_train" not in c
+
+
+def test_step_breakdown_without_bus_measurement_or_steps():
+    b = R.step_breakdown([], 0, 0, 0)
+    assert b["categories"]["bus_serialization"]["s_per_step"] is None
+    assert b["categories"]["weight_sync"]["s_per_step"] is None
+    assert all(r["share"] is None for r in b["categories"].values())
+
+
+def test_pick_step_takes_the_latest_complete_train_step():
+    def t(step, ep, purpose="train", error=""):
+        return SimpleNamespace(step=step, episode_id=ep, purpose=purpose, error=error)
+
+    trajs = [t(0, "a"), t(0, "b"), t(1, "c"), t(1, "c"), t(1, "d"), t(2, "e"), t(2, "f", error="boom"),
+             t(3, "g", purpose="eval"), t(3, "h", purpose="eval")]
+    assert [x.episode_id for x in R.pick_step(trajs, 2)] == ["c", "d"]  # the duplicate counted once
+    assert R.pick_step(trajs, 3) == []
+
+
+def test_median_rounds():
+    assert R.median_rounds([{"a": 1.0, "b": 5.0}, {"a": 3.0, "b": 1.0}, {"a": 2.0, "b": 2.0}]) == {"a": 2.0, "b": 2.0}
+    assert R.median_rounds([]) == {}
+
+
+def systems_for_figure():
+    return {"trl": {"rewards": [0.1, 0.2, 0.5, 0.8, 0.9, 1.0], "step_end_s": [10, 20, 30, 40, 50, 60]},
+            "async": {"rewards": [0.1, 0.3, 0.6, 0.9, 0.9, 1.0], "step_end_s": [5, 9, 13, 17, 21, 25]}}
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "e2e.png"
+    R.plot(systems_for_figure(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_table_lists_systems_ratios_and_breakdown():
+    systems = {k: R.summarize_run(v["rewards"], [float(x) for x in v["step_end_s"]])
+               for k, v in systems_for_figure().items()}
+    out = {"systems": systems, "ratios": R.ratio_table(systems),
+           "step_breakdown": {"async": R.step_breakdown([sp("rollout.generate", 0, 1)], 0, 4, 2)}}
+    text = R.report_table(out)
+    assert "trl" in text and "async_vs_trl" in text and "generation" in text
+    json.dumps(out)  # the results file is plain JSON
+
+
+def test_opentinker_specs_override_only_staleness_steps_and_evaluation():
+    E = _load("e2e_grpo")
+    from opentinker.cli.common import load_job_config
+    from opentinker.schemas.job import spec_from_dict
+
+    base = load_job_config(str(E.CONFIG), [])
+    changed = {"max_staleness", "steps", "eval_every", "eval_episodes", "eval_split", "eval_temperature"}
+    for system, staleness in (("sync", 0), ("async", 1)):
+        spec = E.opentinker_spec(base, system, 7, 64)
+        assert spec["max_staleness"] == staleness and spec["steps"] == 7 and spec["eval_every"] == 7
+        assert spec["eval_episodes"] == 64 and spec["eval_temperature"] == 0.0 and spec["eval_split"] == "test"
+        assert {k: v for k, v in spec.items() if k not in changed} == {k: v for k, v in base.items()
+                                                                       if k not in changed}
+        spec_from_dict(spec)  # a valid job
+    assert base["max_staleness"] == load_job_config(str(E.CONFIG), [])["max_staleness"]  # not mutated
+    assert E.parse_only(None) == ["trl", "sync", "async"]
+    assert E.parse_only(["async,trl"]) == ["trl", "async"]
+    assert E.parse_only(["sync", "async"]) == ["sync", "async"]
+    with pytest.raises(SystemExit):
+        E.parse_only(["opentinker"])

@@ -1,0 +1,89 @@
+"""The learner engine's training step on a tiny model (real DeepSpeed, CPU): logprobs
+computed only at policy positions equal the full-logits computation; one optimizer
+update per planned update, whatever the micro-batch count; no update changes nothing;
+the behaviour correction's proximal logprobs and statistics."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from opentinker.schemas import JobSpec, Trajectory, TurnRecord
+from opentinker.services.learner.batching import build_batch, micro_batches
+from opentinker.services.learner.loss import AggTotals, token_logprobs
+
+
+@pytest.fixture
+def rank_env(monkeypatch):
+    # the engine sets its one-process group's rank variables; keep them out of the
+    # environment that services started by later tests inherit
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(key, os.environ.get(key, value))
+
+
+def _traj(i: int, prompt: int, gen: int, reward: float, logp: float = -2.0) -> Trajectory:
+    ids = [(7 * i + 3 * k) % 500 + 10 for k in range(prompt + gen)]
+    return Trajectory(job_id="j", request_id="r", episode_id=f"e{i}", step=0, group_index=0, group_size=2,
+                      token_ids=ids, loss_mask=[0] * prompt + [1] * gen, logprobs=[0.0] * prompt + [logp] * gen,
+                      prompt_len=prompt, turns=[TurnRecord(gen_start=prompt, gen_end=prompt + gen, obs_end=prompt + gen)],
+                      reward=reward, policy_version=0)
+
+
+def _engine(tiny_model, **kw):
+    from opentinker.services.learner.engine_deepspeed import TrainEngine
+
+    spec = JobSpec(lora_rank=0, lr=1e-3, micro_batch_size=2, prompts_per_step=2, group_size=2, **kw)
+    return TrainEngine(spec, tiny_model, device="cpu")
+
+
+def _params(eng) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in eng.module.parameters() if p.requires_grad])
+
+
+def test_policy_position_logprobs_equal_the_full_logits(tiny_model, rank_env):
+    eng = _engine(tiny_model)
+    try:
+        trajs = [_traj(0, 5, 3, 1.0), _traj(1, 9, 4, 0.0), _traj(2, 3, 6, 1.0)]
+        b = build_batch(trajs, [1.0, -1.0, 0.5], eng.pad_id)
+        with torch.no_grad():
+            fast, ent = eng._logprobs(eng.engine, b, 0.7)
+            logits = eng.engine(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            full, full_ent = token_logprobs(logits, b.input_ids, 0.7)
+        keep = b.loss_mask > 0
+        assert torch.allclose(fast[keep], full[keep], atol=1e-5)
+        assert torch.allclose(ent[keep], full_ent[keep], atol=1e-4)
+        assert torch.all(fast[~keep] == 0)
+    finally:
+        eng.close()
+
+
+def test_one_optimizer_update_per_planned_update(tiny_model, rank_env):
+    eng = _engine(tiny_model, rollout_is="token")
+    try:
+        trajs = [_traj(i, 4 + i, 3, float(i % 2)) for i in range(4)]
+        adv = [1.0, -1.0, 1.0, -1.0]
+        mbs = micro_batches(trajs, adv, 1, eng.pad_id)  # 4 micro-batches, one update
+        tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=4.0, max_len=32.0)
+        before, steps0 = _params(eng), eng.engine.global_steps
+        out = eng.train_step([mbs], [tot], [1e-3])
+        assert eng.engine.global_steps == steps0 + 1 and out["updates"] == 1.0
+        assert out["grad_norm"] > 0 and not torch.equal(before, _params(eng))
+        # a single update: the proximal policy is the current one, so the weights are
+        # pi_prox / pi_behav of the sampler's logprobs (-2.0 here) and the gap is measured
+        assert out["mismatch_kl"] > 0 and out["is_weight_mean"] > 0
+        # two updates (mini-batches): two optimizer steps, the proximal logprobs computed once
+        halves = [mbs[:2], mbs[2:]]
+        tots = [AggTotals(float(sum(b.num_tokens for b in h)), 2.0, 32.0) for h in halves]
+        out2 = eng.train_step(halves, tots, [1e-3, 5e-4])
+        assert eng.engine.global_steps == steps0 + 3 and out2["updates"] == 2.0
+        assert eng.engine.optimizer.param_groups[0]["lr"] == 5e-4
+        # nothing to train: no step, no change (AdamW momentum would still move them)
+        frozen = _params(eng)
+        assert eng.train_step([], [], [])["updates"] == 0.0
+        assert eng.engine.global_steps == steps0 + 3 and torch.equal(frozen, _params(eng))
+        with pytest.raises(ValueError, match="totals"):
+            eng.train_step(halves, tots[:1])
+    finally:
+        eng.close()
