@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import tomllib
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec

@@ -390,7 +390,7 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
     keep = mask > 0
     tokens = float(mask.sum())
     if weights is None:
-        weights = torch.full((logp.shape[0],), 1.0 / max(tokens, 1.0))
+        weights = torch.full((logp.shape[0],), 1.0 / max(tokens, 1.0), device=logp.device)
     # masked positions may hold anything (padding, even inf/NaN): select, never multiply,
     # so that nothing from them reaches the loss or the gradient
     logp = torch.where(keep, logp, 0.0)
