@@ -16,7 +16,9 @@ from conftest import follow, log_rows, submit_when_ready
 def lora_spec(model: str, engine: str, steps: int, seed: int, **kw) -> dict:
     return {"name": f"lora-{seed}", "model": model, "env": "arith", "engine": engine, "lora_rank": 8,
             "lora_alpha": 16, "prompts_per_step": 4, "group_size": 8, "steps": steps, "seed": seed,
-            "checkpoint_every": 100, "sampling": {"max_new_tokens": 32, "max_total_tokens": 512}, **kw}
+            "checkpoint_every": 100, "sampling": {"max_new_tokens": 32, "max_total_tokens": 512},
+            # strictly on-policy, so that each step's exact policy version can be checked
+            "max_staleness": 0, **kw}
 
 
 async def run_two(services, nats_url, tmp_path, specs: list[dict], job_ids: list[str], timeout_s: float):

@@ -32,7 +32,10 @@ async def test_one_episode_is_one_trace_across_rollout_envhost_and_learner(servi
     services.start("rollout", "engine=hf", env=env)
     spec = {"name": "traced", "model": tiny_model, "env": "guess-number", "engine": "hf", "steps": 2,
             "prompts_per_step": 1, "group_size": 2, "checkpoint_every": 100, "env_args": {"n": 100, "max_turns": 2},
-            "sampling": {"max_new_tokens": 8, "max_total_tokens": 512, "max_turns": 2}}
+            "sampling": {"max_new_tokens": 8, "max_total_tokens": 512, "max_turns": 2},
+            # every phase must run: train even groups without signal (the random tiny
+            # model's rewards are all equal), and sample step 1 with policy 1
+            "skip_zero_variance": False, "max_staleness": 0}
     async with await Client.connect(nats_url) as client:
         job = await submit_when_ready(client, spec, job_id)
         await follow(job, 300, services)
