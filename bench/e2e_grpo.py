@@ -52,7 +52,6 @@ import gc
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_report as R  # the pure parts, beside this file
+from faults import fresh_home  # a scratch home sharing the main home's models and caches
 
 CONFIG = ROOT / "examples" / "arith_grpo.toml"
 OUT = ROOT / "bench" / "results" / "e2e_grpo.json"
@@ -242,22 +242,6 @@ def _eval_fields(base: dict | None, final: dict | None) -> dict[str, Any]:
 
 
 # -- OpenTinker ---------------------------------------------------------------------
-
-
-def fresh_home(name: str) -> Path:
-    """A new home that shares the main home's models and compiled-op caches."""
-    main = Path(os.environ.get("OPENTINKER_HOME", ROOT / ".opentinker"))
-    home = ROOT / "bench" / "results" / "tmp" / name
-    if home.exists():
-        shutil.rmtree(home)
-    (home / "cache").mkdir(parents=True)
-    for shared in ("models", "wheels", "gguf"):
-        if (main / shared).exists():
-            (home / shared).symlink_to((main / shared).resolve())
-    for cache in ("torch_extensions", "hf", "inductor", "vllm", "triton", "xdg"):
-        (main / "cache" / cache).mkdir(parents=True, exist_ok=True)
-        (home / "cache" / cache).symlink_to((main / "cache" / cache).resolve())
-    return home
 
 
 async def follow_job(client, spec: dict[str, Any], label: str, timeout_s: float) -> dict[str, Any]:
