@@ -33,7 +33,12 @@ problems for all three. OpenTinker evaluates itself (eval_every = steps: before 
 step and after the last; metrics of split "eval" through the SDK); TRL's model is
 evaluated in process on the very RolloutRequests the learner's Evaluator makes, run by
 the rollout's own agent loop and transformers engine against the env's code, before and
-after training (the "before" checks the evaluation against OpenTinker's version 0).
+after training (the "before" checks the evaluation against OpenTinker's version 0). Each
+OpenTinker job's final LoRA adapter is also evaluated that same way once its stack is
+down (`heldout_accuracy_same_engine`), so all three are compared on one engine, with the
+distinct problems solved (the `arith` test split of single digits holds only a handful,
+drawn several times each by the eval seeds: one problem moves the accuracy by several
+points).
 Ratios: speedups async vs trl, sync vs trl, async vs sync (steps/s; time to 0.8).
 For each OpenTinker run, one step's time split into generation, env, bus + serialization,
 forward/backward, optimizer and weight sync (publish + load): from the services'
@@ -137,10 +142,50 @@ def evaluate_in_process(engine, spec, version: int) -> dict[str, float]:
         return version
 
     t0 = time.perf_counter()
-    groups = asyncio.run(loop.run(reqs, policy_version))
+    groups = asyncio.run(loop.run(reqs, policy_version))  # one group per request, in order
     stats = episode_stats([t for g in groups for t in g])
     stats["eval_time_s"] = time.perf_counter() - t0
+    stats["problems"] = per_problem(spec, reqs, groups)
     return stats
+
+
+def per_problem(spec, reqs, groups) -> dict[str, list[int]]:
+    """The evaluation by distinct problem: its initial state (JSON) -> [correct, episodes].
+    A small test split draws each problem several times among the eval seeds."""
+    from opentinker.services.envhost.registry import BUILTIN
+    from opentinker.services.envhost.service import initial_state
+
+    out: dict[str, list[int]] = {}
+    for req, group in zip(reqs, groups):
+        key = json.dumps(initial_state(BUILTIN[spec.env], spec.env_args, req.group_seed, req.split), sort_keys=True)
+        tally = out.setdefault(key, [0, 0])
+        tally[0] += sum(1 for t in group if t.reward >= 1.0)
+        tally[1] += len(group)
+    return out
+
+
+def evaluate_adapter(model_path: str, adapter_dir: Path, spec, version: int) -> dict[str, Any]:
+    """An OpenTinker job's final LoRA adapter (the learner's `final` checkpoint, peft's
+    format), merged into the base model and evaluated exactly as TRL's model is
+    (evaluate_in_process on the transformers engine), so the held-out comparison uses
+    one engine for every system."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from opentinker.services.rollout.engine_hf import HFEngine
+
+    engine = HFEngine(model_path, seed=spec.seed)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+                                       str(adapter_dir)).merge_and_unload()
+    params = dict(engine.model.named_parameters())
+    with torch.no_grad():
+        engine.load_weights({k: v.detach().float() for k, v in merged.state_dict().items() if k in params})
+    del merged
+    out = evaluate_in_process(engine, spec, version)
+    del engine
+    gc.collect()
+    return out
 
 
 # -- TRL ----------------------------------------------------------------------------
@@ -231,9 +276,19 @@ def run_trl(spec, model_path: str) -> dict[str, Any]:
     return res
 
 
+def same_engine_fields(final: dict) -> dict[str, Any]:
+    """Held-out numbers of the transformers-engine evaluation (TRL's path, run for every
+    system): accuracy, and distinct problems solved (all their episodes correct)."""
+    probs = final.get("problems", {})
+    return {"heldout_accuracy_same_engine": final["reward_mean"],
+            "heldout_problems_solved": sum(1 for c, n in probs.values() if c == n),
+            "heldout_problems": len(probs), "heldout_by_problem": probs}
+
+
 def _eval_fields(base: dict | None, final: dict | None) -> dict[str, Any]:
     """Held-out numbers: accuracy is the mean reward (arith: 1 iff correct)."""
-    return {"heldout_accuracy": final["reward_mean"] if final else None,
+    return {**(same_engine_fields(final) if final else {}),
+            "heldout_accuracy": final["reward_mean"] if final else None,
             "heldout_correct_frac": final["correct_frac"] if final else None,
             "heldout_episodes": int(final["episodes"]) if final else 0,
             "heldout_eval_s": final.get("eval_time_s") if final else None,
@@ -367,7 +422,7 @@ async def measure_bus(trajs: list, rounds: int) -> dict[str, Any]:
 
 
 def run_opentinker(keys: list[str], base: dict, steps: int, eval_episodes: int, warmup: bool,
-                   timeout_s: float, bus_rounds: int) -> tuple[dict[str, dict], dict, dict]:
+                   timeout_s: float, bus_rounds: int, model_path: str) -> tuple[dict[str, dict], dict, dict]:
     from opentinker.ops.stack import Stack
 
     home = fresh_home("e2e-grpo")
@@ -403,6 +458,10 @@ def run_opentinker(keys: list[str], base: dict, steps: int, eval_episodes: int, 
                                         bus.get("total_s"))
         breakdown[k]["spans_parsed"] = sum(1 for s in spans if lo <= s.start <= hi)
         res.update(stack_startup_s=stack_s, spec=_builtins(jobspecs[k]))
+        adapter = home / "checkpoints" / str(res.get("job_id")) / "final"
+        if adapter.exists():  # the stack is down: the cores are the evaluation's
+            print(f"{k}: evaluating the final adapter in process (TRL's evaluation path)", flush=True)
+            res.update(same_engine_fields(evaluate_adapter(model_path, adapter, jobspecs[k], steps)))
         systems[k] = res
     return systems, breakdown, bus
 
@@ -493,7 +552,7 @@ def main() -> None:
     ot = [k for k in keys if k != "trl"]
     if ot:
         got, bd, bus = run_opentinker(ot, base, steps, args.eval_episodes, not args.no_warmup, args.timeout,
-                                      args.bus_rounds)
+                                      args.bus_rounds, model_path)
         systems.update(got)
         breakdown.update(bd)
     systems = {k: systems[k] for k in SYSTEMS if k in systems}
@@ -511,6 +570,10 @@ def main() -> None:
     if systems:
         R.plot(systems, png)
     print(R.report_table(out))
+    for k, r in systems.items():
+        if r.get("heldout_accuracy_same_engine") is not None:
+            print(f"{k}: held-out on the transformers engine {r['heldout_accuracy_same_engine']:.3f}, "
+                  f"{r['heldout_problems_solved']} of {r['heldout_problems']} distinct problems solved")
     print(f"written to {out_path} and {png}")
 
 

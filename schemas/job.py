@@ -104,7 +104,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     episodes (the last turn cut by the token limit) left out (`overlong_filter`) or
     penalized softly over the last `overlong_buffer` tokens (DAPO arXiv 2503.14476
     §3.4). Groups whose advantages are all 0 (equal rewards) are not forwarded at all
-    when no other loss term needs them (`skip_zero_variance`).
+    when no other loss term needs them (`skip_zero_variance`). With `dynamic_sampling`
+    = N > 0, such a group is replaced by a group on a fresh prompt, up to N times a step
+    (DAPO's dynamic sampling, arXiv 2503.14476 §3.2), so a step trains on more signal.
     Micro-batches hold at most `micro_batch_size` episodes and, with
     `micro_batch_tokens` > 0, at most that many padded tokens (episodes sorted by
     length, so padding is small).
@@ -170,6 +172,7 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     ppo_epochs: Bounded(int, 1, 64) = 1
     mini_batches: Bounded(int, 1, 1024) = 1
     skip_zero_variance: bool = True
+    dynamic_sampling: Bounded(int, 0, 1_000_000, note="0 = off; else refills per step at most") = 0
     overlong_filter: bool = False
     overlong_buffer: Bounded(int, 0, 131_072, note="0 = no soft overlong penalty") = 0
     overlong_penalty: Bounded(float, 0, 100) = 1.0

@@ -18,6 +18,7 @@ def derived_seed(*parts: object) -> int:
     """A seed in [0, 2**31) that is a pure function of `parts` (the first 8 bytes of
     BLAKE2b over their ':'-joined text, little-endian, top bit cleared), so any RNG an
     environment uses accepts it. Training groups use (seed, step, group index),
+    their dynamic-sampling replacements ("refill", seed, step, group index, n),
     evaluation ("eval", seed, index), inference ("infer", seed, index)."""
     h = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & 0x7FFFFFFF

@@ -57,9 +57,11 @@ MAX_ATTEMPTS = 8
 FINAL_EVAL_WAIT_S = 900.0
 
 
-def group_seed(seed: int, step: int, group_index: int) -> int:
-    """The initial-state seed of one group, a pure function of (seed, step, group)."""
-    return derived_seed(seed, step, group_index)
+def group_seed(seed: int, step: int, group_index: int, refill: int = 0) -> int:
+    """The initial-state seed of one group, a pure function of (seed, step, group) and,
+    for the `refill`-th replacement of a group without signal (dynamic_sampling), of
+    that index too."""
+    return derived_seed(seed, step, group_index) if refill == 0 else derived_seed("refill", seed, step, group_index, refill)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class StepStats:
     dropped_invalid: int = 0
     dropped_error: int = 0   # groups whose every episode ended on an error
     timed_out: int = 0       # groups asked again after rollout_timeout_s
+    refilled: int = 0        # zero-variance groups replaced by a fresh prompt (dynamic_sampling)
     wait_s: float = 0.0
 
 
@@ -94,6 +97,10 @@ class JobRun(RunLifecycle):
         self.evaluator = Evaluator(self.job_id, spec, self.run_id, self.attempt)
         self.sub = None
         self.weights_s = 0.0  # the last publish_weights, seconds
+        # dynamic sampling: (step, group) -> how many times its prompt was replaced, and
+        # step -> replacements so far (at most spec.dynamic_sampling a step)
+        self.refill_index: dict[tuple[int, int], int] = {}
+        self.refills: dict[int, int] = {}
 
     async def run(self) -> None:
         """Train to completion. Raises JobStopped (cancel or shutdown) or the error
@@ -148,7 +155,8 @@ class JobRun(RunLifecycle):
         spec = self.spec
         self.ledger.ask(step, i, time.monotonic())
         req = RolloutRequest(job_id=self.job_id, request_id=rid, step=step, group_index=i,
-                             group_seed=group_seed(spec.seed, step, i), policy_version=self.version,
+                             group_seed=group_seed(spec.seed, step, i, self.refill_index.get((step, i), 0)),
+                             policy_version=self.version,
                              model=spec.model, env=spec.env, env_args=spec.env_args,
                              group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine,
                              purpose="train", attempt=self.attempt, policy_run=self.run_id)
@@ -268,6 +276,30 @@ class JobRun(RunLifecycle):
             await self.drop_group(s, i, "stale")
         elif all(h.traj.error for h in group):
             await self.drop_group(s, i, f"every episode failed: {group[0].traj.error[:500]}")
+        elif self.refill_due(s, i, group):
+            await self.refill_group(s, i)
+
+    def refill_due(self, s: int, i: int, group: list[Held]) -> bool:
+        """Dynamic sampling (DAPO, arXiv 2503.14476 §3.2: "over-sample and filter out
+        prompts with the accuracy equal to 1 and 0"): is the complete group `i` of step
+        `s` without signal (every reward equal, so every advantage 0) while the step
+        may still replace one (spec.dynamic_sampling) and the group has attempts to
+        spare (half of MAX_ATTEMPTS stays for failures)?"""
+        return (len({h.traj.reward for h in group}) == 1
+                and self.refills.get(s, 0) < self.spec.dynamic_sampling
+                and self.ledger.attempt(s, i) < MAX_ATTEMPTS // 2)
+
+    async def refill_group(self, s: int, i: int) -> None:
+        """Replace group `i` of step `s` by a new attempt on a fresh prompt (its group
+        seed derives from the refill's index); the old attempt's episodes are acked
+        and never trained. A resumed run forgets the indices: a group it has to ask
+        again goes back to its first prompt."""
+        for held in self.ledger.drop(s, i):
+            await held.msg.ack()
+        self.refills[s] = self.refills.get(s, 0) + 1
+        self.refill_index[(s, i)] = self.refill_index.get((s, i), 0) + 1
+        self.stats.refilled += 1
+        await self.request_group(s, i)
 
     async def wait_for_step(self) -> list[list[Held]]:
         """Fetch trajectories until every group of `self.step` is complete and fresh.
@@ -403,6 +435,9 @@ class JobRun(RunLifecycle):
         self.weights_s = time.monotonic() - t_w
         for h in self.ledger.take_step(s):
             await h.msg.ack()  # a dropped attempt's late arrivals
+        self.refills.pop(s, None)
+        for i in range(self.spec.prompts_per_step):
+            self.refill_index.pop((s, i), None)
         if self.checkpoint_due():
             await self.checkpoint_step(s)
         for h in held:
@@ -434,6 +469,7 @@ class JobRun(RunLifecycle):
             "dropped_invalid": float(self.stats.dropped_invalid),
             "dropped_error": float(self.stats.dropped_error),
             "timed_out": float(self.stats.timed_out),
+            "refilled": float(self.stats.refilled),
             "excluded_frac": out["excluded_frac"],
             # no wasted compute: groups without signal, episodes not forwarded at all
             "zero_variance_frac": out["zero_variance_frac"],

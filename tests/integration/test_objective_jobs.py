@@ -3,7 +3,8 @@ learner on DeepSpeed, rollout, envhost, recorder on a real nats-server) with the
 model: asynchronous training with the behaviour correction; clip-higher, dual clip,
 GSPO's sequence ratio and Dr. GRPO's aggregation; RLOO with KL in the reward and the
 soft overlong penalty; REINFORCE++ with a KL loss, an entropy bonus, epochs x
-mini-batches, a warmed-up cosine learning rate and token-budget micro-batches.
+mini-batches, a warmed-up cosine learning rate and token-budget micro-batches; DAPO's
+dynamic sampling, replacing groups without signal by fresh prompts.
 The formulas themselves are checked by hand in tests/unit/test_loss_options.py; here
 each family must run end to end and report what it should."""
 
@@ -37,7 +38,24 @@ FAMILIES = {
     "updates": dict(advantage_estimator="reinforce_pp", kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01,
                     ppo_epochs=2, mini_batches=2, lr_schedule="cosine", lr_warmup_steps=1,
                     micro_batch_tokens=64, lora_rank=0),
+    # prompts of even group seed reward 0 everywhere: their groups are replaced
+    "dynamic": dict(max_staleness=0, env_args={"flat_every": 2}, dynamic_sampling=8),
 }
+
+
+def flat_refills(step: int, prompts: int) -> int:
+    """Replacements dynamic sampling must make in `step` of the "dynamic" job: per group,
+    the run of even (flat) seeds from its first prompt, capped by the learner's half of
+    MAX_ATTEMPTS (a group may also be replaced when its lengths tie by chance)."""
+    from opentinker.services.learner.job import MAX_ATTEMPTS, group_seed
+
+    n = 0
+    for i in range(prompts):
+        r = 0
+        while r < MAX_ATTEMPTS // 2 and group_seed(0, step, i, r) % 2 == 0:
+            r += 1
+        n += r
+    return n
 
 
 async def test_each_objective_family_trains_through_the_services(services, nats_url, tmp_path, tiny_model, job_id):
@@ -61,7 +79,7 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
         assert sorted(steps) == [0, 1], fam
         for v in steps.values():
             assert all(math.isfinite(x) for x in v.values()), (fam, v)
-    a, c, r, u = (train[f] for f in ("async", "clip", "reward", "updates"))
+    a, c, r, u, d = (train[f] for f in ("async", "clip", "reward", "updates", "dynamic"))
     # async: step 1 was sampled by policy 0 while step 0 trained, and corrected for it
     assert a[1]["policy_lag_max"] == 1 and a[0]["policy_lag_max"] == 0
     assert 0 < a[1]["is_weight_mean"] <= 4.0 and a[1]["mismatch_kl"] >= 0, a
@@ -74,3 +92,7 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     assert all(v["updates"] in (0.0, 4.0) for v in u.values()) and any(v["updates"] == 4.0 for v in u.values())
     assert u[0]["lr"] == 0.0 and u[1]["lr"] == pytest.approx(1e-3)
     assert u[1]["kl"] >= 0 and u[1]["entropy"] > 0
+    # dynamic sampling: every flat group was replaced (within the budget of 8 a step)
+    for s in (0, 1):
+        assert flat_refills(s, 2) <= d[s]["refilled"] <= 8, (s, d[s], flat_refills(s, 2))
+    assert flat_refills(0, 2) > 0 and all(v["refilled"] == 0 for v in u.values())
