@@ -58,24 +58,32 @@ def main_job():
     return spec_from_dict(load_job_config(str(ROOT / "examples" / "arith_grpo.toml"), []))
 
 
-def measure_generation(reps: int) -> list[float]:
-    """Seconds per call: 32 completions (4 arith problems x 8) of up to 32 new tokens."""
-    from opentinker.services.core.models import resolve_model
+def main_prompts(spec, tokenizer, step: int = 0) -> list[list[int]]:
+    """The token ids of step `step`'s prompts, each `group_size` times (the env's own
+    system and user messages in the model's chat template)."""
     from opentinker.services.envhost.registry import BUILTIN
     from opentinker.services.envhost.service import initial_state, open_episode
     from opentinker.services.learner.job import group_seed
+
+    cls = BUILTIN[spec.env]
+    prompts = []
+    for g in range(spec.prompts_per_step):
+        state = initial_state(cls, spec.env_args, group_seed(spec.seed, step, g), "train")
+        _, system, user, _ = open_episode(cls, spec.env_args, state)
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        prompts += [list(ids["input_ids"] if hasattr(ids, "keys") else ids)] * spec.group_size
+    return prompts
+
+
+def measure_generation(reps: int) -> list[float]:
+    """Seconds per call: 32 completions (4 arith problems x 8) of up to 32 new tokens."""
+    from opentinker.services.core.models import resolve_model
     from opentinker.services.rollout.engine_vllm import VLLMEngine
 
     spec = main_job()
     eng = VLLMEngine(resolve_model(spec.model, str(HOME)))
-    cls = BUILTIN[spec.env]
-    prompts = []
-    for g in range(spec.prompts_per_step):
-        _, system, user, _ = open_episode(cls, spec.env_args, initial_state(cls, spec.env_args, group_seed(0, 0, g), "train"))
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        ids = eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        prompts += [ids] * spec.group_size
+    prompts = main_prompts(spec, eng.tokenizer)
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
