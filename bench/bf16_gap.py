@@ -15,7 +15,8 @@ the mean and max |logp_learner - logp_sampler| (nats), the token-level truncated
 importance weights the learner would apply (mean, and fraction capped at C = the
 spec's rollout_is_threshold), and the seconds of `--reps` learner steps (forward,
 backward, optimizer) on those episodes, the first included (a bfloat16 step on a CPU
-without native bf16 arithmetic is slow enough that a warm-up would double the run). Each engine runs in its own process.
+without native bf16 arithmetic is slow enough that a warm-up would double the run;
+`--reps 0` measures the gap alone, which other load on the machine does not change). Each engine runs in its own process.
 The reward of a bfloat16 run is a separate measurement: e2e_grpo.py --only async
 --set dtype=bfloat16 --out bench/results/e2e_grpo_bf16.json.
 """
@@ -103,7 +104,7 @@ def score(dtype: str, path: Path, reps: int) -> dict:
         eng.close()
     return {"tokens": int(kl.numel()), "mismatch_kl": float(kl.mean()), "abs_logp_diff_mean": float(diff.mean()),
             "abs_logp_diff_max": float(diff.max()), "is_weight_mean": float(w.mean()),
-            "is_capped_frac": float(cap.mean()), "train_step_s": statistics.median(times), "train_step_times_s": times}
+            "is_capped_frac": float(cap.mean()), "train_step_s": statistics.median(times) if times else None, "train_step_times_s": times}
 
 
 def run(args: list[str]) -> str:
@@ -139,7 +140,7 @@ def main() -> None:
     for d, r in res.items():
         print(f"{d:>9}: mismatch_kl {r['mismatch_kl']:.2e}, |dlogp| mean {r['abs_logp_diff_mean']:.4f} "
               f"max {r['abs_logp_diff_max']:.3f} nats, IS weight mean {r['is_weight_mean']:.4f}, "
-              f"capped {r['is_capped_frac']:.4f}, train step {r['train_step_s']:.2f} s ({r['tokens']} tokens)")
+              f"capped {r['is_capped_frac']:.4f}, train step {r['train_step_s'] or 0:.2f} s ({r['tokens']} tokens)")
 
 
 if __name__ == "__main__":
