@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overlap_bound import HOME, ROOT, child_env, main_job, main_prompts  # noqa: E402
+from overlap_bound import HOME, ROOT, child_env, child_setup, episode, main_job, main_prompts  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "bf16_gap.json"
 
@@ -60,23 +60,14 @@ def score(dtype: str, path: Path, reps: int) -> dict:
     import msgspec
     import torch
 
-    from opentinker.schemas import Trajectory, TurnRecord
     from opentinker.services.core.models import resolve_model
     from opentinker.services.learner.batching import micro_batches
     from opentinker.services.learner.engine_deepspeed import TrainEngine
-    from opentinker.services.learner.loss import AggTotals, kl_estimate, rollout_is_weights
+    from opentinker.services.learner.loss import AggTotals, k3_kl, rollout_is_weights
 
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
     spec = msgspec.structs.replace(main_job(), dtype=dtype)
-    trajs = []
-    for i, e in enumerate(json.loads(path.read_text())):
-        p, g = len(e["prompt"]), len(e["tokens"])
-        trajs.append(Trajectory(job_id="j", request_id="r", episode_id=f"e{i}", step=0, group_index=i // spec.group_size,
-                                group_size=spec.group_size, token_ids=e["prompt"] + e["tokens"],
-                                loss_mask=[0] * p + [1] * g, logprobs=[0.0] * p + e["logprobs"], prompt_len=p,
-                                turns=[TurnRecord(gen_start=p, gen_end=p + g, obs_end=p + g)], reward=float(i % 2),
-                                policy_version=0))
+    trajs = [episode(i, spec, e["prompt"], e["tokens"], e["logprobs"])
+             for i, e in enumerate(json.loads(path.read_text()))]
     eng = TrainEngine(spec, resolve_model(spec.model, str(HOME)), device="cpu")
     try:
         mbs = micro_batches(trajs, [1.0 if i % 2 else -1.0 for i in range(len(trajs))], spec.micro_batch_size,
@@ -87,7 +78,7 @@ def score(dtype: str, path: Path, reps: int) -> dict:
             keep = mb.loss_mask > 0
             # micro_batches shifts the sampler's logprobs onto the target positions, as the loss sees them
             behav = mb.logprobs
-            kls.append(kl_estimate(behav, lp, "k3")[keep])
+            kls.append(k3_kl(behav, lp)[keep])  # as loss.policy_loss's mismatch_kl
             diffs.append((lp - behav).abs()[keep])
             w, capped = rollout_is_weights(lp, behav, mb.loss_mask, "token", "truncate", spec.rollout_is_threshold)
             ws.append(w[keep])
@@ -123,6 +114,8 @@ def main() -> None:
     ap.add_argument("--child", choices=["sample", "float32", "bfloat16"])
     ap.add_argument("--episodes-file", default="")
     args = ap.parse_args()
+    if args.child:
+        child_setup()
     if args.child == "sample":
         sample(args.steps, Path(args.episodes_file))
         return

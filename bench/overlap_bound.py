@@ -44,10 +44,29 @@ def child_env(threads: int, cores: str | None) -> dict[str, str]:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     env["VLLM_CPU_OMP_THREADS_BIND"] = cores or f"0-{threads - 1}"
-    for k, sub in (("HF_HOME", "hf"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("VLLM_CACHE_ROOT", "vllm"),
-                   ("TORCH_EXTENSIONS_DIR", "torch_extensions"), ("TRITON_CACHE_DIR", "triton")):
-        env.setdefault(k, str(HOME / "cache" / sub))
     return env
+
+
+def child_setup() -> None:
+    """In a measuring process, before torch or vLLM load: caches in the home, and the
+    one-process group's rank variables the learner engine reads."""
+    from opentinker.services.core.config import setup_cache_dirs
+
+    setup_cache_dirs(str(HOME))
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+
+
+def episode(i: int, spec, prompt: list[int], tokens: list[int], logprobs: list[float]):
+    """Episode `i` of a step (group i // group_size): a single-turn Trajectory of
+    `prompt` then the sampled `tokens` with the sampler's `logprobs`; reward i % 2."""
+    from opentinker.schemas import Trajectory, TurnRecord
+
+    p, n = len(prompt), len(prompt) + len(tokens)
+    return Trajectory(job_id="j", request_id="r", episode_id=f"e{i}", step=0, group_index=i // spec.group_size,
+                      group_size=spec.group_size, token_ids=prompt + tokens, loss_mask=[0] * p + [1] * len(tokens),
+                      logprobs=[0.0] * p + list(logprobs), prompt_len=p,
+                      turns=[TurnRecord(gen_start=p, gen_end=n, obs_end=n)], reward=float(i % 2), policy_version=0)
 
 
 def main_job():
@@ -96,23 +115,16 @@ def measure_training(reps: int, episodes: int, prompt_len: int, gen_len: int) ->
     """Seconds per learner step (forward, backward, optimizer) on `episodes` episodes."""
     import torch
 
-    from opentinker.schemas import Trajectory, TurnRecord
     from opentinker.services.core.models import resolve_model
     from opentinker.services.learner.batching import micro_batches
     from opentinker.services.learner.engine_deepspeed import TrainEngine
     from opentinker.services.learner.loss import AggTotals
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
     spec = main_job()
     eng = TrainEngine(spec, resolve_model(spec.model, str(HOME)), device="cpu")
-    n = prompt_len + gen_len
-    trajs = [Trajectory(job_id="j", request_id="r", episode_id=f"e{i}", step=0, group_index=i // spec.group_size,
-                        group_size=spec.group_size, token_ids=[(7 * i + 3 * k) % 5000 + 10 for k in range(n)],
-                        loss_mask=[0] * prompt_len + [1] * gen_len, logprobs=[0.0] * prompt_len + [-1.0] * gen_len,
-                        prompt_len=prompt_len, turns=[TurnRecord(gen_start=prompt_len, gen_end=n, obs_end=n)],
-                        reward=float(i % 2), policy_version=0) for i in range(episodes)]
+    ids = [[(7 * i + 3 * k) % 5000 + 10 for k in range(prompt_len + gen_len)] for i in range(episodes)]
+    trajs = [episode(i, spec, x[:prompt_len], x[prompt_len:], [-1.0] * gen_len) for i, x in enumerate(ids)]
     mbs = micro_batches(trajs, [1.0 if i % 2 else -1.0 for i in range(episodes)], spec.micro_batch_size, eng.pad_id)
     tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=float(episodes), max_len=float(gen_len))
     times = []
@@ -151,6 +163,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--child", choices=["gen", "train"])
     args = ap.parse_args()
+    if args.child:
+        child_setup()
     if args.child == "gen":
         print(json.dumps({"times": measure_generation(args.reps)}))
         return

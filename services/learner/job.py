@@ -97,10 +97,8 @@ class JobRun(RunLifecycle):
         self.evaluator = Evaluator(self.job_id, spec, self.run_id, self.attempt)
         self.sub = None
         self.weights_s = 0.0  # the last publish_weights, seconds
-        # dynamic sampling: (step, group) -> how many times its prompt was replaced, and
-        # step -> replacements so far (at most spec.dynamic_sampling a step)
+        # dynamic sampling: (step, group) -> how many times its prompt was replaced
         self.refill_index: dict[tuple[int, int], int] = {}
-        self.refills: dict[int, int] = {}
 
     async def run(self) -> None:
         """Train to completion. Raises JobStopped (cancel or shutdown) or the error
@@ -285,8 +283,9 @@ class JobRun(RunLifecycle):
         `s` without signal (every reward equal, so every advantage 0) while the step
         may still replace one (spec.dynamic_sampling) and the group has attempts to
         spare (half of MAX_ATTEMPTS stays for failures)?"""
+        step_refills = sum(self.refill_index.get((s, j), 0) for j in range(self.spec.prompts_per_step))
         return (len({h.traj.reward for h in group}) == 1
-                and self.refills.get(s, 0) < self.spec.dynamic_sampling
+                and step_refills < self.spec.dynamic_sampling
                 and self.ledger.attempt(s, i) < MAX_ATTEMPTS // 2)
 
     async def refill_group(self, s: int, i: int) -> None:
@@ -296,7 +295,6 @@ class JobRun(RunLifecycle):
         again goes back to its first prompt."""
         for held in self.ledger.drop(s, i):
             await held.msg.ack()
-        self.refills[s] = self.refills.get(s, 0) + 1
         self.refill_index[(s, i)] = self.refill_index.get((s, i), 0) + 1
         self.stats.refilled += 1
         await self.request_group(s, i)
@@ -435,7 +433,6 @@ class JobRun(RunLifecycle):
         self.weights_s = time.monotonic() - t_w
         for h in self.ledger.take_step(s):
             await h.msg.ack()  # a dropped attempt's late arrivals
-        self.refills.pop(s, None)
         for i in range(self.spec.prompts_per_step):
             self.refill_index.pop((s, i), None)
         if self.checkpoint_due():
