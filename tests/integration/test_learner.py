@@ -86,14 +86,22 @@ async def drain(bus, sub, kind, into: list) -> None:
         await m.ack()
 
 
-async def answer_groups(bus, sub, fake) -> None:
+async def answer_groups(bus, sub, fake, held: list | None = None, *, upto_step: int | None = None) -> None:
     """Answer each rollout request waiting on `sub` with a whole group from `fake`, at
-    the request's policy version."""
+    the request's policy version. With `upto_step`, a request for a later step is taken
+    but not answered: it is kept in `held` for a later call with `held` alone to answer."""
+    reqs = []
     for m in await bus.fetch(sub, 8, 0.2):
-        req = decode(m.data, RolloutRequest)
+        reqs.append(decode(m.data, RolloutRequest))
+        await m.ack()
+    if held is not None and upto_step is None:
+        reqs, held[:] = held + reqs, []
+    for req in reqs:
+        if upto_step is not None and req.step > upto_step:
+            held.append(req)
+            continue
         for k in range(req.group_size):
             await bus.publish(S.job(req.job_id, "traj"), fake.episode(req, k, req.policy_version))
-        await m.ack()
 
 
 @pytest.mark.timeout(180)
@@ -391,10 +399,12 @@ async def test_a_learner_that_missed_its_requeue_stops_before_overwriting_the_ne
     await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=job_id, spec=spec, rollout_workers=["fake"],
                                                                     attempt=1))
     weights: list[WeightsPublished] = []
+    held: list = []  # step 1's request (asked ahead, max_staleness 1) waits for the requeue,
+    # so the learner cannot have passed its next fence before the job is placed elsewhere
     deadline = time.monotonic() + 200
     while not weights:
         assert time.monotonic() < deadline, services.logs()
-        await answer_groups(bus, rollout_sub, fake)
+        await answer_groups(bus, rollout_sub, fake, held, upto_step=0)
         await drain(bus, weights_sub, WeightsPublished, weights)
     ckpt = None
     while ckpt is None:  # the step's checkpoint follows its weight event
@@ -408,8 +418,9 @@ async def test_a_learner_that_missed_its_requeue_stops_before_overwriting_the_ne
     await place_job(bus, job_id, spec, learner="another-learner", rollout=["fake"], attempt=2)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 15:
-        await answer_groups(bus, rollout_sub, fake)
+        await answer_groups(bus, rollout_sub, fake, held)
         await drain(bus, weights_sub, WeightsPublished, weights)
+    assert not held
     assert [w.policy_version for w in weights] == [1], [w.policy_version for w in weights]
     assert await bus.get_object(S.OBJ_CHECKPOINTS, f"{job_id}/latest") == ckpt
     assert "attempt 1 is stale" in services.logs() or "stops" in services.logs(), services.logs()
