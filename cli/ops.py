@@ -18,8 +18,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     from opentinker.ops.stack import Stack, supervise
 
     services = tuple(s for s in SERVICES if s not in args.without)
-    stack = Stack(home(), nats_url=os.environ.get("NATS_URL") or None, services=services).start()
-    print(f"OpenTinker up: NATS {stack.nats_url} (JetStream in {stack.home / 'nats'})")
+    try:
+        stack = Stack(home(), nats_url=os.environ.get("NATS_URL") or None, services=services,
+                      cluster=args.cluster).start()
+    except ValueError as e:
+        raise SystemExit(f"opentinker up: {e}") from None
+    where = stack.home / ("nats-cluster" if stack.cluster else "nats")
+    print(f"OpenTinker up: NATS {stack.nats_url} (JetStream in {where}"
+          + (f", {stack.cluster} nodes, {min(stack.cluster, 3)} replicas)" if stack.cluster else ")"))
     if stack.api_url:
         print(f"  REST API and dashboard {stack.api_url} (admin key in {stack.home / 'admin.key'})")
     for name, p in stack.procs.items():
@@ -73,6 +79,8 @@ def cmd_nats_keys(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     s = sub.add_parser("up", help="start a local NATS server and every service")
     s.add_argument("--without", nargs="*", default=[], choices=SERVICES, help="services not to start")
+    s.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="run N (3 or more) nats-servers as one cluster, streams replicated on 3 of them")
     s.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("serve", help="run one service in the foreground")

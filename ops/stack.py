@@ -11,6 +11,11 @@ Every child is stopped by its own PID. Each child gets OMP_NUM_THREADS and
 MKL_NUM_THREADS by services.core.config.thread_count: 1 for the scheduler, envhost and
 recorder, the libraries' defaults for the learner and rollout worker, unless
 OPENTINKER_<SERVICE>_THREADS, a `threads=N` override or OPENTINKER_THREADS says otherwise.
+
+`cluster=N` (`opentinker up --cluster 3`) runs N nats-servers as one cluster instead
+(nats_server.NatsCluster: routes on loopback, one auth folder) and every service with
+`nats_replicas` = min(N, 3), so streams, KV buckets and object stores survive a node's
+loss; services and clients reconnect to the surviving nodes.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 from pathlib import Path
 
 from opentinker.services.core.config import thread_count, thread_env
-from opentinker.services.core.nats_server import NatsServer, free_port
+from opentinker.services.core.nats_server import NatsCluster, NatsServer, free_port
 
 SERVICES = ("scheduler", "envhost", "recorder", "rollout", "learner")
 DEFAULT_PORT = 4222
@@ -35,20 +40,29 @@ class Stack:
     """nats-server + services as child processes; `stop()` ends them in reverse order."""
 
     def __init__(self, home: str | Path, nats_url: str | None = None,
-                 services: tuple[str, ...] = SERVICES, overrides: dict[str, list[str]] | None = None):
+                 services: tuple[str, ...] = SERVICES, overrides: dict[str, list[str]] | None = None,
+                 cluster: int = 0):
+        if cluster < 0 or cluster == 2:
+            raise ValueError(f"cluster: {cluster} nodes (0 or 1: one server; 3 or more: a cluster, "
+                             "which needs a majority of its nodes up, so 2 would survive no loss)")
         self.home = Path(home)
         self.nats_url = nats_url
+        self.cluster = cluster if cluster > 1 else 0
         self.services = services
         self.overrides = {k: list(v) for k, v in (overrides or {}).items()}
         self.log_dir = self.home / "logs"
-        self.server: NatsServer | None = None
+        self.server: NatsServer | NatsCluster | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.api_url = ""
 
     def start(self) -> Stack:
         """Start everything; raises RuntimeError if nats-server or a service dies at once."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if not self.nats_url:
+        if not self.nats_url and self.cluster:
+            self.server = NatsCluster(self.home / "nats-cluster", self.cluster, auth=True,
+                                      log_dir=self.log_dir).start()
+            self.nats_url = self.server.url
+        elif not self.nats_url:
             port = DEFAULT_PORT if _port_free(DEFAULT_PORT) else free_port()
             self.server = NatsServer(self.home / "nats", port=port, auth=True,
                                      log_file=self.log_dir / "nats-server.log").start()
@@ -84,6 +98,8 @@ class Stack:
         overrides counts as configured). Raises ValueError for a bad thread count."""
         env = dict(os.environ, NATS_URL=self.nats_url or "", OPENTINKER_HOME=str(self.home),
                    PYTHONUNBUFFERED="1")
+        if self.cluster:
+            env["OPENTINKER_NATS_REPLICAS"] = str(min(self.cluster, 3))
         configured = [o.partition("=")[2] for o in self.overrides.get(name, []) if o.startswith("threads=")]
         try:
             n = thread_count(name, env, int(configured[-1]) if configured else 0)

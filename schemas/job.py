@@ -81,7 +81,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     (0 = greedy) with the current policy and reports them as metrics of split "eval".
 
     Placement: the scheduler runs the job on one learner and `rollout_workers` rollout
-    workers of its pool (an inference job: rollout workers only).
+    workers of its pool (an inference job: rollout workers only). The learner sends the
+    groups to them in turn; a training job that loses some of them (a killed worker)
+    goes on with the rest, its lost groups asked again there, without a requeue.
 
     Asynchrony: `max_staleness` = 1 (the default) samples step s+1 with policy s while
     step s trains; `rollout_is` corrects for it (and for the sampler/learner numeric

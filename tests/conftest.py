@@ -201,6 +201,53 @@ async def log_rows(data_dir, sql: str, expect: int, timeout_s: float = 30):
     return rows
 
 
+def start_logged_stack(server, home, log_dir, monkeypatch, steps: int, name: str, **env: str):
+    """Every service on `server` (a NatsServer or NatsCluster with auth) as the service
+    identity, the recorder logging to `<log_dir>/data` every 0.5 s, this test's client a
+    service too. Returns (Services, their processes, a small arith job spec of `steps`
+    steps on the transformers engine, without its `model`)."""
+    monkeypatch.setenv("NATS_NKEY", str(server.service_seed_file))
+    services = Services(server.url, home, log_dir)
+    env = {"NATS_NKEY": str(server.service_seed_file), **server.scheduler_env(),
+           "OPENTINKER_DATA_DIR": str(log_dir / "data"), **env}
+    procs = [services.start(svc, *extra, env=env) for svc, extra in
+             (("scheduler", ()), ("envhost", ()), ("recorder", ("recorder_flush_s=0.5",)), ("learner", ()),
+              ("rollout", ("engine=hf",)))]
+    spec = {"name": name, "env": "arith", "engine": "hf", "lora_rank": 4, "prompts_per_step": 2, "group_size": 2,
+            "steps": steps, "checkpoint_every": max(1, steps // 2), "micro_batch_size": 4,
+            "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}}
+    return services, procs, spec
+
+
+async def until(cond, timeout_s: float, services, what: str):
+    """Poll the async `cond()` until it returns something truthy; fail with the logs."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = await cond()
+        if got:
+            return got
+        await asyncio.sleep(0.3)
+    pytest.fail(f"{what} not within {timeout_s:.0f} s\n{services.logs()}")
+
+
+async def stream_and_log(client, job_id: str, data_dir, steps: int) -> tuple[int, int]:
+    """(trajectories of `job_id` on its stream, distinct episodes of it in the log),
+    once the log holds all `steps` train steps (asserted) and as many episodes as the
+    stream (or after 30 s: the recorder flushes on a timer)."""
+    from opentinker.schemas import subjects as S
+
+    rows = await log_rows(data_dir, f"SELECT count(DISTINCT step) FROM metrics WHERE job_id = '{job_id}' "
+                                    "AND split = 'train'", steps)
+    assert rows[0][0] == steps, rows
+    on_stream = len(await client.bus.read_raw(S.job(job_id, "traj")))
+    rows = await log_rows(data_dir, f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id = '{job_id}'",
+                          on_stream)
+    return on_stream, rows[0][0]
+
+
 async def place_job(bus, job_id: str, spec=None, *, learner: str = "", rollout=(), attempt: int = 1,
                     kind: str = "train", user: str = ""):
     """Write the scheduler's record of a job placed on `learner` and `rollout` workers, for

@@ -40,7 +40,7 @@ from opentinker.schemas import DeadLetter, JobRecord, decode, encode, schema_nam
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import error_field
 from opentinker.services.core import tracing
-from opentinker.services.core.config import default_nats_url, service_credentials
+from opentinker.services.core.config import default_nats_url, server_list, service_credentials
 
 log = logging.getLogger("opentinker.bus")
 T = TypeVar("T", bound=msgspec.Struct)
@@ -139,9 +139,11 @@ def streams_of(subject: str) -> list[str]:
     return [stream for stream, (subjects, _) in S.STREAMS.items() if any(_overlap(subject, x) for x in subjects)]
 
 
-def stream_config(name: str, max_bytes_scale: float = 1.0, max_age_scale: float = 1.0) -> api.StreamConfig:
+def stream_config(name: str, max_bytes_scale: float = 1.0, max_age_scale: float = 1.0,
+                  replicas: int = 1) -> api.StreamConfig:
     """The JetStream config of stream `name`: its subjects and retention (S.STREAMS) and
-    its limits (S.STREAM_LIMITS), `max_bytes` and `max_age_s` times the scales. Discard
+    its limits (S.STREAM_LIMITS), `max_bytes` and `max_age_s` times the scales, on
+    `replicas` nodes of a cluster. Discard
     policy: a limits stream drops its oldest messages when full; a work queue refuses
     new ones (per subject too), so queued work is never dropped to make room."""
     subjects, retention = S.STREAMS[name]
@@ -158,6 +160,7 @@ def stream_config(name: str, max_bytes_scale: float = 1.0, max_age_scale: float 
         max_msgs_per_subject=lim.max_msgs_per_subject,
         discard=api.DiscardPolicy.NEW if work else api.DiscardPolicy.OLD,
         discard_new_per_subject=work and lim.max_msgs_per_subject > 0,
+        num_replicas=replicas,
     )
 
 
@@ -170,6 +173,7 @@ class Bus:
         self.service = service
         self._kv: dict[str, Any] = {}
         self._obj: dict[str, Any] = {}
+        self.replicas = 1  # of what this connection creates (ensure_topology sets it)
 
     @classmethod
     async def connect(cls, url: str | None = None, service: str = "client", **kw: Any) -> Bus:
@@ -183,7 +187,7 @@ class Bus:
         if not {"token", "nkeys_seed", "user_credentials"} & kw.keys():
             kw.update(service_credentials(url))
         nc = await nats.connect(
-            url, name=f"opentinker-{service}", max_reconnect_attempts=-1,
+            server_list(url), name=f"opentinker-{service}", max_reconnect_attempts=-1,
             connect_timeout=5, allow_reconnect=True, **kw,
         )
         return cls(nc, service)
@@ -200,13 +204,15 @@ class Bus:
 
     # -- topology -------------------------------------------------------------
 
-    async def ensure_topology(self, max_bytes_scale: float = 1.0, max_age_scale: float = 1.0) -> None:
+    async def ensure_topology(self, max_bytes_scale: float = 1.0, max_age_scale: float = 1.0,
+                              replicas: int = 1) -> None:
         """Create (or update) every stream, KV bucket and object store. Idempotent.
 
-        Each stream gets `stream_config(name, max_bytes_scale, max_age_scale)` and each KV
-        bucket values of at most S.KV_MAX_VALUE_BYTES; existing ones are updated to them.
-        The scales are Settings.stream_max_bytes_scale / stream_max_age_scale: run every
-        service with the same ones, or each start undoes the last.
+        Each stream gets `stream_config(name, max_bytes_scale, max_age_scale, replicas)`,
+        each KV bucket values of at most S.KV_MAX_VALUE_BYTES, every KV bucket and object
+        store `replicas` replicas; existing ones are updated to them. The scales and
+        replicas are Settings.stream_max_bytes_scale / stream_max_age_scale /
+        nats_replicas: run every service with the same ones, or each start undoes the last.
 
         Raises ValueError naming a scale that is not a positive number; RuntimeError
         naming the stream when the server's JetStream store cannot reserve its
@@ -215,8 +221,11 @@ class Bus:
         for arg, scale in (("max_bytes_scale", max_bytes_scale), ("max_age_scale", max_age_scale)):
             if not (math.isfinite(scale) and scale > 0):
                 raise ValueError(f"{arg}: must be a positive number, got {scale!r}")
+        if not 1 <= replicas <= 5:
+            raise ValueError(f"nats_replicas: must be 1 to 5 (JetStream's limit), got {replicas!r}")
+        self.replicas = replicas
         for name in S.STREAMS:
-            cfg = stream_config(name, max_bytes_scale, max_age_scale)
+            cfg = stream_config(name, max_bytes_scale, max_age_scale, replicas)
             try:
                 try:
                     await self.js.add_stream(cfg)
@@ -231,9 +240,10 @@ class Bus:
                     "more free disk), or set a smaller stream_max_bytes_scale") from e
         for bucket in KV_BUCKETS:
             await self.kv(bucket)
-            await self._limit_kv(bucket)
-        await self.objects(S.OBJ_WEIGHTS)
-        await self.objects(S.OBJ_CHECKPOINTS)
+            await self._converge(f"KV_{bucket}", max_msg_size=S.KV_MAX_VALUE_BYTES, num_replicas=replicas)
+        for bucket in (S.OBJ_WEIGHTS, S.OBJ_CHECKPOINTS):
+            await self.objects(bucket)
+            await self._converge(f"OBJ_{bucket}", num_replicas=replicas)
 
     async def kv(self, bucket: str):
         """The KV bucket `bucket`, created if missing. In `ot_workers` an entry expires
@@ -245,15 +255,16 @@ class Bus:
                 ttl = S.WORKER_TTL_S if bucket == S.KV_WORKERS else None
                 history = 1 if bucket == S.KV_WORKERS else 8
                 self._kv[bucket] = await self.js.create_key_value(bucket=bucket, history=history, ttl=ttl,
-                                                                  max_value_size=S.KV_MAX_VALUE_BYTES)
+                                                                  max_value_size=S.KV_MAX_VALUE_BYTES,
+                                                                  replicas=self.replicas)
         return self._kv[bucket]
 
-    async def _limit_kv(self, bucket: str) -> None:
-        """Give KV bucket `bucket` (made before the limit, say) values of at most
-        S.KV_MAX_VALUE_BYTES (its stream's max_msg_size)."""
-        info = await self._retry(f"read KV {bucket} config", self.js.stream_info, f"KV_{bucket}")
-        if info.config.max_msg_size != S.KV_MAX_VALUE_BYTES:
-            await self.js.update_stream(dataclasses.replace(info.config, max_msg_size=S.KV_MAX_VALUE_BYTES))
+    async def _converge(self, stream: str, **want: Any) -> None:
+        """Update the config of `stream` (a KV bucket's or object store's, made before,
+        perhaps by an older version) to the `want`ed StreamConfig fields."""
+        info = await self._retry(f"read {stream} config", self.js.stream_info, stream)
+        if any(getattr(info.config, k) != v for k, v in want.items()):
+            await self.js.update_stream(dataclasses.replace(info.config, **want))
 
     async def job_record(self, job_id: str) -> tuple[JobRecord, int] | None:
         """The scheduler's record of `job_id` and its KV revision, or None when there is
@@ -319,7 +330,8 @@ class Bus:
             try:
                 self._obj[bucket] = await self._retry(f"open object store {bucket}", self.js.object_store, bucket)
             except (NotFoundError, nats.js.errors.BucketNotFoundError):
-                self._obj[bucket] = await self.js.create_object_store(bucket=bucket)
+                self._obj[bucket] = await self.js.create_object_store(
+                    bucket=bucket, config=api.ObjectStoreConfig(bucket=bucket, replicas=self.replicas))
         return self._obj[bucket]
 
     async def put_object(self, bucket: str, name: str, data: bytes) -> None:

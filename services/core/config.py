@@ -67,6 +67,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # stream's max_bytes and max_age times these; set them alike for every service
     stream_max_bytes_scale: float = 1.0
     stream_max_age_scale: float = 1.0
+    # JetStream replicas of every stream, KV bucket and object store: 1 on a lone
+    # nats-server, 3 on a 3-node cluster (`opentinker up --cluster 3`), so a node's loss
+    # loses nothing; set it alike for every service
+    nats_replicas: int = 1
     # intra-op threads (torch, OpenMP, MKL) of this service; 0: the default of
     # thread_count (1 for services without tensor math, the libraries' own otherwise)
     threads: int = 0
@@ -197,8 +201,18 @@ def local_stack() -> dict[str, Any]:
 
 
 def default_nats_url(url: str | None = None) -> str:
-    """`url`, else $NATS_URL, else the local `opentinker up` stack's, else nats://127.0.0.1:4222."""
+    """`url`, else $NATS_URL, else the local `opentinker up` stack's, else
+    nats://127.0.0.1:4222. A cluster's URL lists its nodes, comma-separated."""
     return url or os.environ.get("NATS_URL") or local_stack().get("nats_url") or "nats://127.0.0.1:4222"
+
+
+def server_list(url: str) -> list[str]:
+    """The servers of a NATS URL: a cluster's lists its nodes, comma-separated
+    ("nats://a:4222,nats://b:4222"); nats-py takes them as a list and reconnects to any."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"nats_url: no server in {url!r}")
+    return servers
 
 
 def service_credentials(url: str) -> dict[str, str]:

@@ -27,7 +27,8 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
         install_signal_handlers(stop)
         bus = await Bus.connect(settings.nats_url, service)
         try:
-            await bus.ensure_topology(settings.stream_max_bytes_scale, settings.stream_max_age_scale)
+            await bus.ensure_topology(settings.stream_max_bytes_scale, settings.stream_max_age_scale,
+                                      settings.nats_replicas)
             await body(settings, bus, stop)
         finally:
             await bus.close()

@@ -14,6 +14,11 @@ Bounded waits. A group that is not complete `spec.rollout_timeout_s` after it wa
 for is asked again (a dead-lettered request, a lost worker), and a group whose every
 episode ended on an error is asked again with that error as the reason; each counts
 toward MAX_ATTEMPTS, after which the job fails naming the last reason.
+
+Many rollout workers. Groups and evaluation episodes go to the job's rollout workers in
+turn. When some of them leave the pool, the scheduler keeps the job's attempt on the
+survivors and announces it; the run then asks the lost workers' unfinished groups again
+on the survivors at once (follow_placement), without waiting for the timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 from nats.aio.msg import Msg
 
@@ -79,6 +85,7 @@ class StepStats:
     dropped_error: int = 0   # groups whose every episode ended on an error
     timed_out: int = 0       # groups asked again after rollout_timeout_s
     refilled: int = 0        # zero-variance groups replaced by a fresh prompt (dynamic_sampling)
+    failed_over: int = 0     # groups asked again because their rollout worker left the pool
     wait_s: float = 0.0
 
 
@@ -90,6 +97,11 @@ class JobRun(RunLifecycle):
         super().__init__(settings, bus, stop, executor, assigned, incarnation)
         spec = self.spec
         self.rollout_workers = list(assigned.rollout_workers)
+        self.asked_on: dict[tuple[int, int], str] = {}  # (step, group) -> its current attempt's worker
+        self.eval_asked_on: dict[str, tuple[RolloutRequest, str]] = {}  # eval request id -> (it, its worker)
+        # a rollout worker lost between the placement and this start: the record is read
+        # at the first wait (follow_placement)
+        self.placement_changed.set()
         self.requested_upto = -1
         self.ledger: TrajectoryLedger[Held] = TrajectoryLedger(
             self.job_id, self.run_id, spec.steps, spec.prompts_per_step, spec.group_size)
@@ -136,12 +148,12 @@ class JobRun(RunLifecycle):
 
     # -- rollout requests -------------------------------------------------------
 
-    def rollout_subject(self, index: int) -> str:
-        """Where request `index` (a group, or an evaluation episode) goes: the job's
-        rollout workers take turns."""
+    def rollout_worker(self, index: int) -> str:
+        """Which worker request `index` (a group, or an evaluation episode) goes to:
+        the job's rollout workers take turns."""
         if not self.rollout_workers:
             raise RuntimeError(f"job {self.job_id} was assigned without rollout workers")
-        return S.rollout(self.job_id, self.rollout_workers[index % len(self.rollout_workers)])
+        return self.rollout_workers[index % len(self.rollout_workers)]
 
     def publish_id(self, request_id: str) -> str:
         """The Nats-Msg-Id of a request (its id names the run; the attempt too, for ids
@@ -160,14 +172,18 @@ class JobRun(RunLifecycle):
                              purpose="train", attempt=self.attempt, policy_run=self.run_id)
         # the root of the group's trace: rollout, envhost and this learner's
         # trajectory spans follow it through the message headers
+        worker = self.rollout_worker(i)
+        self.asked_on[(step, i)] = worker
         with tracing.span("learner.request", kind=tracing.SpanKind.PRODUCER,
                           attrs={"ot.job_id": self.job_id, "ot.step": step, "ot.group_index": i,
                                  "ot.request_id": rid, "ot.policy_version": self.version}):
-            await self.bus.publish(self.rollout_subject(i), req, msg_id=self.publish_id(rid))
+            await self.bus.publish(S.rollout(self.job_id, worker), req, msg_id=self.publish_id(rid))
 
     async def request_rollouts(self) -> None:
         """Ask for every step up to `step + max_staleness` not asked for yet."""
         last = min(self.step + self.spec.max_staleness, self.spec.steps - 1)
+        for key in [k for k in self.asked_on if k[0] < self.step]:
+            del self.asked_on[key]  # trained steps
         for s in range(max(self.step, self.requested_upto + 1), last + 1):
             self.ledger.open(s)
             for i in range(self.spec.prompts_per_step):
@@ -191,6 +207,8 @@ class JobRun(RunLifecycle):
             self.stats.dropped_stale += 1
         elif why.startswith("timeout"):
             self.stats.timed_out += 1
+        elif why.startswith("rollout worker"):
+            self.stats.failed_over += 1
         elif why.startswith("every episode failed"):
             self.stats.dropped_error += 1
             # an environment or engine failing outright (a restart, say) is given time
@@ -277,6 +295,38 @@ class JobRun(RunLifecycle):
         elif self.refill_due(s, i, group):
             await self.refill_group(s, i)
 
+    async def follow_placement(self) -> None:
+        """After the scheduler announced a change that does not stop this run: when
+        rollout workers of the job left the pool (the scheduler's fail_over keeps the
+        attempt with the survivors), send every later request to the survivors and ask
+        there again for each group whose current attempt went to a lost worker and is
+        not complete (its episodes from the lost worker are dropped with the attempt).
+        A requeue or a newer attempt is left to on_event and the fence."""
+        self.placement_changed.clear()
+        try:
+            got = await self.bus.job_record(self.job_id)
+        except msgspec.MsgspecError:
+            return
+        p = got[0].placement if got is not None and got[0].attempt == self.attempt else None
+        if p is None or not p.rollout or p.rollout == self.rollout_workers:
+            return
+        lost = [w for w in self.rollout_workers if w not in p.rollout]
+        self.rollout_workers = list(p.rollout)
+        log.warning("job %s: rollout worker %s left the pool; asking its open groups again on %s",
+                    self.job_id, ", ".join(lost) or "-", ", ".join(self.rollout_workers))
+        for (s, i), w in sorted(self.asked_on.items()):
+            if w in lost and s >= self.step and len(self.ledger.group(s, i)) < self.spec.group_size:
+                await self.drop_group(s, i, f"rollout worker {w} left the pool")
+        # evaluation episodes the lost workers owe: the same requests, to the survivors
+        # (a new message id, else JetStream would drop them as repeats)
+        answered = {t.request_id for got in self.evaluator.pending.values() for t in got.values()}
+        for n, (rid, (req, w)) in enumerate(sorted(self.eval_asked_on.items())):
+            if w in lost and req.step in self.evaluator.pending and rid not in answered:
+                worker = self.rollout_worker(n)
+                self.eval_asked_on[rid] = (req, worker)
+                await self.bus.publish(S.rollout(self.job_id, worker), req,
+                                       msg_id=f"{self.publish_id(rid)}-{worker}")
+
     def refill_due(self, s: int, i: int, group: list[Held]) -> bool:
         """Dynamic sampling (DAPO, arXiv 2503.14476 §3.2: "over-sample and filter out
         prompts with the accuracy equal to 1 and 0"): is the complete group `i` of step
@@ -308,6 +358,8 @@ class JobRun(RunLifecycle):
         s = self.step
         while True:
             self.check_live()
+            if self.placement_changed.is_set():
+                await self.follow_placement()
             for i in range(self.spec.prompts_per_step):
                 await self.check_group(s, i, t0)
             # a dropped attempt leaves its group incomplete: complete is also fresh
@@ -326,7 +378,9 @@ class JobRun(RunLifecycle):
             return
         await self.fence()
         for i, req in enumerate(self.evaluator.requests(self.version)):
-            await self.bus.publish(self.rollout_subject(i), req, msg_id=self.publish_id(req.request_id))
+            worker = self.rollout_worker(i)
+            self.eval_asked_on[req.request_id] = (req, worker)
+            await self.bus.publish(S.rollout(self.job_id, worker), req, msg_id=self.publish_id(req.request_id))
         log.info("job %s: evaluating policy version %d on %d %s episodes", self.job_id, self.version,
                  self.spec.eval_episodes, self.spec.eval_split)
 
@@ -334,6 +388,8 @@ class JobRun(RunLifecycle):
         await m.ack()  # an eval episode is only reported, never trained on
         metrics = self.evaluator.add(traj)
         if metrics is not None:
+            for rid in [r for r, (req, _) in self.eval_asked_on.items() if req.step == metrics.policy_version]:
+                del self.eval_asked_on[rid]
             await self.bus.publish(self.subject("metrics"), metrics,
                                    msg_id=f"{self.job_id}-eval-m{metrics.policy_version}-r{self.run_id}")
             log.info("job %s eval at policy version %d: reward %.3f, correct %.3f",
@@ -344,6 +400,8 @@ class JobRun(RunLifecycle):
         deadline = time.monotonic() + FINAL_EVAL_WAIT_S
         while self.evaluator.pending and time.monotonic() < deadline:
             self.check_live()
+            if self.placement_changed.is_set():
+                await self.follow_placement()
             for m in await self.bus.fetch(self.sub, TRAJ_FETCH, 1.0):
                 await self.on_trajectory(m)
         if self.evaluator.pending:
@@ -467,6 +525,7 @@ class JobRun(RunLifecycle):
             "dropped_error": float(self.stats.dropped_error),
             "timed_out": float(self.stats.timed_out),
             "refilled": float(self.stats.refilled),
+            "failed_over": float(self.stats.failed_over),
             "excluded_frac": out["excluded_frac"],
             # no wasted compute: groups without signal, episodes not forwarded at all
             "zero_variance_frac": out["zero_variance_frac"],

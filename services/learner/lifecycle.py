@@ -72,6 +72,9 @@ class RunLifecycle:
         self.run_id = secrets.token_hex(4)  # this run's lineage (module docstring)
         self.cancelled = asyncio.Event()
         self.requeued = asyncio.Event()
+        # the scheduler announced a change to the job's record that does not stop this
+        # run (a lost rollout worker dropped from its placement): job.py follows it
+        self.placement_changed = asyncio.Event()
         self.engine = None
         self.step = 0            # next step to train
         self.version = 0         # policy version: steps trained so far
@@ -158,10 +161,12 @@ class RunLifecycle:
         if ev.source != SERVICE and ev.state.terminal:
             log.info("job %s %s by %s: stopping", self.job_id, ev.state.value, ev.source or "?")
             self.cancelled.set()
-        elif ev.source == "scheduler" and ev.state == JobState.QUEUED and self.attempt:
-            if await self.not_runnable(requeued=True):
+        elif ev.source == "scheduler" and self.attempt:
+            if ev.state == JobState.QUEUED and await self.not_runnable(requeued=True):
                 log.info("job %s requeued by the scheduler (%s): stopping", self.job_id, ev.reason)
                 self.requeued.set()
+            else:
+                self.placement_changed.set()
 
     # -- start and end ----------------------------------------------------------
 

@@ -54,6 +54,21 @@ def lost_workers(rec: JobRecord, live: dict[str, WorkerInfo]) -> list[str]:
     return [w for w in holders(rec) if w not in live]
 
 
+def without_lost_rollout(rec: JobRecord, lost: list[str]) -> Placement | None:
+    """The placement a training job keeps when only some of its rollout workers are
+    lost: the same attempt and learner, the surviving rollout workers (in order); its
+    learner asks the lost workers' groups again on those. None when the job must be
+    requeued instead: its learner is lost, no rollout worker survives, or it is an
+    inference job (its endpoint names one worker)."""
+    p = rec.placement
+    if p is None or rec.kind != "train" or not lost or p.learner in lost:
+        return None
+    kept = [w for w in p.rollout if w not in lost]
+    if not kept:
+        return None
+    return Placement(attempt=p.attempt, learner=p.learner, rollout=kept, placed_s=p.placed_s)
+
+
 @dataclass
 class Load:
     """What the placed (active) jobs hold."""

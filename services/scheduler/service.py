@@ -25,7 +25,9 @@ Writes:
 
 Every RECONCILE_S (and at once after a submit or a report) it requeues the placed jobs
 of workers that left the pool (missed heartbeats: a training job resumes from its last
-checkpoint) and places queued jobs on free workers (placement.py).
+checkpoint) and places queued jobs on free workers (placement.py). A training job that
+loses only some of its rollout workers is not requeued: its record keeps the attempt
+with the survivors (`fail_over`) and its learner asks the lost workers' groups again.
 
 Run: `opentinker serve scheduler` or `python -m opentinker.services.scheduler`.
 """
@@ -56,7 +58,7 @@ from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import live_workers
 from opentinker.services.core.runner import run_service
 from opentinker.schemas.users import User
-from opentinker.services.scheduler.placement import Quota, holders, lost_workers, plan
+from opentinker.services.scheduler.placement import Quota, holders, lost_workers, plan, without_lost_rollout
 from opentinker.services.scheduler.users import AuthError, Users
 
 log = logging.getLogger("opentinker.scheduler")
@@ -125,9 +127,10 @@ class Scheduler:
         connections are then kicked at once."""
         import nats
 
+        from opentinker.services.core.config import server_list
         from opentinker.services.core.natsauth import SystemClient
 
-        nc = await nats.connect(url, nkeys_seed=seed_file, name="opentinker-scheduler-system",
+        nc = await nats.connect(server_list(url), nkeys_seed=seed_file, name="opentinker-scheduler-system",
                                 max_reconnect_attempts=-1, connect_timeout=5)
         self.system = SystemClient(nc)
 
@@ -372,8 +375,10 @@ class Scheduler:
             for i, (rec, rev) in enumerate(recs):
                 lost = lost_workers(rec, live) if not rec.state.terminal and settled else []
                 if lost:
+                    kept = without_lost_rollout(rec, lost)
                     with contextlib.suppress(Conflict):  # changed meanwhile: next round
-                        recs[i] = await self.requeue(rec, rev, lost)
+                        recs[i] = await (self.requeue(rec, rev, lost) if kept is None
+                                         else self.fail_over(rec, rev, lost, kept))
             active = [r for r, _ in recs if not r.state.terminal and r.placement is not None]
             queued = {r.job_id: (r, v) for r, v in recs if r.state == JobState.QUEUED and r.placement is None}
             for rec, p in plan([r for r, _ in queued.values()], active, live, self.quota_of, time.time()):
@@ -391,6 +396,21 @@ class Scheduler:
             await self.bus.js.purge_stream(S.STREAM_ROLLOUT, subject=S.rollout_all(rec.job_id))
         for w in lost:
             await self.forget_worker(w)
+        return rec, rev
+
+    async def fail_over(self, rec: JobRecord, rev: int, lost: list[str], kept: Placement) -> tuple[JobRecord, int]:
+        """Keep a training job whose learner and some rollout workers survive on those:
+        same attempt, fewer rollout workers. The announcement tells its learner, which
+        asks the lost workers' unfinished groups again on the survivors (no requeue, no
+        step lost). Returns the new record and revision."""
+        why = (f"rollout worker {', '.join(lost)} left the pool; the job goes on with "
+               f"{', '.join(kept.rollout)}")
+        rec = with_state(rec, rec.state, why, placement=kept)
+        rev = await self.put(rec, rev)
+        log.warning("job %s: %s", rec.job_id, why)
+        for w in lost:
+            await self.forget_worker(w)
+        await self.announce(rec)
         return rec, rev
 
     async def forget_worker(self, worker: str) -> None:

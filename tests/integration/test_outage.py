@@ -16,10 +16,9 @@ import pytest
 from opentinker.schemas import JobState, Metrics
 from opentinker.schemas import subjects as S
 from opentinker.sdk import Client
-from opentinker.services.core.logdb import run_query
 from opentinker.services.core.nats_server import NatsServer
 
-from conftest import Services, submit_when_ready
+from conftest import start_logged_stack, stream_and_log, submit_when_ready
 
 STEPS = 10
 
@@ -27,19 +26,10 @@ STEPS = 10
 @pytest.mark.timeout(900)
 async def test_a_nats_server_restart_mid_job_costs_time_not_the_job(tmp_path, home, tiny_model, monkeypatch):
     server = NatsServer(tmp_path / "nats", auth=True).start()
-    monkeypatch.setenv("NATS_NKEY", str(server.service_seed_file))  # this test's client is a service
-    services = Services(server.url, home, tmp_path)
-    env = {"NATS_NKEY": str(server.service_seed_file), **server.scheduler_env(),
-           "OPENTINKER_DATA_DIR": str(tmp_path / "data")}
-    procs = [services.start(name, *extra, env=env) for name, extra in
-             (("scheduler", ()), ("envhost", ()), ("recorder", ("recorder_flush_s=0.5",)), ("learner", ()),
-              ("rollout", ("engine=hf",)))]
+    services, procs, spec = start_logged_stack(server, home, tmp_path, monkeypatch, STEPS, "outage")
     client = await Client.connect(server.url)
     try:
-        spec = {"name": "outage", "model": tiny_model, "env": "arith", "engine": "hf", "lora_rank": 4,
-                "prompts_per_step": 2, "group_size": 2, "steps": STEPS, "checkpoint_every": 5,
-                "micro_batch_size": 4, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}}
-        job = await submit_when_ready(client, spec, f"outage-{int(time.time())}")
+        job = await submit_when_ready(client, {**spec, "model": tiny_model}, f"outage-{int(time.time())}")
         deadline = time.monotonic() + 300
         while not any(m.step >= 3 for m in await client.bus.read_subject(S.job(job.id, "metrics"), Metrics)):
             assert time.monotonic() < deadline, services.logs()
@@ -55,21 +45,8 @@ async def test_a_nats_server_restart_mid_job_costs_time_not_the_job(tmp_path, ho
         assert rec.state == JobState.COMPLETED, (rec.reason, services.logs())
         assert rec.attempt == 1, rec.history  # no healthy job requeued over the outage
         assert all(p.poll() is None for p in procs), services.logs()
-        for _ in range(60):  # the recorder's last flush
-            _, rows = run_query(f"SELECT count(DISTINCT step) FROM metrics WHERE job_id = '{job.id}' "
-                                "AND split = 'train'", tmp_path / "data")
-            if rows[0][0] == STEPS:
-                break
-            await asyncio.sleep(0.5)
-        assert rows[0][0] == STEPS
-        on_stream = len(await client.bus.read_raw(S.job(job.id, "traj")))
-        for _ in range(60):
-            _, rows = run_query(f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id = '{job.id}'",
-                                tmp_path / "data")
-            if rows[0][0] == on_stream:
-                break
-            await asyncio.sleep(0.5)
-        assert rows[0][0] == on_stream > 0  # every trajectory the stream holds is in the log
+        on_stream, in_log = await stream_and_log(client, job.id, tmp_path / "data", STEPS)
+        assert in_log == on_stream > 0  # every trajectory the stream holds is in the log
     finally:
         await client.close()
         services.stop_all()

@@ -4,31 +4,19 @@ scheduler killed and restarted mid-job loses nothing."""
 
 import asyncio
 import signal
-import time
 
 import pytest
 
 from opentinker.schemas import JobState
 from opentinker.sdk import Client
 
-from conftest import follow, submit_when_ready
+from conftest import follow, submit_when_ready, until
 
 
 def spec(model: str, steps: int, **kw) -> dict:
     return {"name": "pool", "model": model, "env": "arith", "engine": "hf", "lora_rank": 4,
             "prompts_per_step": 2, "group_size": 2, "steps": steps, "lr": 1e-3, "checkpoint_every": 1,
             "micro_batch_size": 4, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}, **kw}
-
-
-async def until(cond, timeout_s: float, services, what: str):
-    """Poll the async `cond()` until it returns something truthy; fail with the logs."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = await cond()
-        if got:
-            return got
-        await asyncio.sleep(0.3)
-    pytest.fail(f"{what} not within {timeout_s:.0f} s\n{services.logs()}")
 
 
 def placed_s(rec) -> float:

@@ -4,7 +4,7 @@ import msgspec
 
 from opentinker.schemas import JobRecord, JobSpec, JobState
 from opentinker.schemas.pool import Placement, WorkerCapacity, WorkerInfo
-from opentinker.services.scheduler.placement import Quota, lost_workers, plan
+from opentinker.services.scheduler.placement import Quota, lost_workers, plan, without_lost_rollout
 
 BIG = Quota(max_jobs=10, max_workers=10)
 
@@ -90,6 +90,23 @@ def test_lost_workers_and_a_job_not_yet_let_go():
     live["l1"] = worker("l1", "learner")
     got = plan([requeued], [], live, lambda u: BIG, 5.0)
     assert got[0][1].attempt == 3
+
+
+def test_a_training_job_keeps_its_attempt_on_the_rollout_workers_that_survive():
+    p = Placement(attempt=2, learner="l1", rollout=["r1", "r2", "r3"], placed_s=4.0)
+    rec = job("a", 1.0, placement=p, rollout_workers=3)
+    assert without_lost_rollout(rec, ["r2"]) == Placement(attempt=2, learner="l1", rollout=["r1", "r3"],
+                                                          placed_s=4.0)
+    assert without_lost_rollout(rec, ["r1", "r3"]).rollout == ["r2"]
+    # requeued instead: its learner is lost, no rollout worker is left, nothing is lost,
+    # an inference job (its endpoint names one worker), a job without a placement
+    assert without_lost_rollout(rec, ["l1"]) is None
+    assert without_lost_rollout(rec, ["l1", "r2"]) is None
+    assert without_lost_rollout(rec, ["r1", "r2", "r3"]) is None
+    assert without_lost_rollout(rec, []) is None
+    inference = job("i", 1.0, kind="inference", placement=Placement(attempt=1, rollout=["r1", "r2"]))
+    assert without_lost_rollout(inference, ["r2"]) is None
+    assert without_lost_rollout(job("q", 1.0), ["r1"]) is None
 
 
 def test_a_job_the_whole_pool_cannot_hold_blocks_no_one():
