@@ -64,3 +64,43 @@ def test_the_dockerfile_passes_hadolint_and_bakes_in_no_secret():
     ignored = (ROOT / ".dockerignore").read_text().split()
     for secret in (".opentinker", ".venv", "compose/admin.key", "compose/nats-keys"):
         assert secret in ignored, secret
+
+
+CLUSTER = ROOT / "compose" / "cluster.yml"
+
+
+def test_the_cluster_overlay_reaches_every_service_and_its_node_config_parses(tmp_path):
+    from opentinker.ops.keys import COMPOSE_NODES, write_nats_keys
+    from opentinker.services.core.nats_server import server_binary
+
+    out = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(CLUSTER)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    base, overlay = (yaml.safe_load(p.read_text())["services"] for p in (COMPOSE, CLUSTER))
+    nodes = ",".join(f"nats://{n}:4222" for n in COMPOSE_NODES)
+    for name, svc in base.items():  # every client of NATS gets all three nodes
+        if "NATS_URL" in (svc.get("environment") or {}):
+            env = overlay[name]["environment"]
+            assert env["NATS_URL"] == nodes, name
+            assert name == "nats-box" or env["OPENTINKER_NATS_REPLICAS"] == "3", name
+    names = {overlay[n]["environment"]["NATS_SERVER_NAME"] for n in COMPOSE_NODES}
+    assert len(names) == 3 and len({overlay[n]["volumes"][0] for n in COMPOSE_NODES}) == 3
+    assert all(not overlay[n].get("ports") for n in COMPOSE_NODES[1:])  # nothing more published
+
+    # the node config, with the keys `opentinker nats-keys` writes, is one nats-server accepts
+    write_nats_keys(tmp_path / "nats-keys", say=lambda *a: None)
+    conf = tmp_path / "nats.conf"
+    conf.write_text((ROOT / "compose" / "nats-cluster.conf").read_text())
+    cluster = (tmp_path / "nats-keys" / "cluster.conf")
+    assert cluster.stat().st_mode & 0o777 == 0o600
+    text = cluster.read_text()
+    assert "authorization" in text and all(f"@{n}:6222" in text for n in COMPOSE_NODES)
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True,
+                              env={"NATS_SERVER_NAME": "n1"}, cwd=tmp_path)
+
+    got = check()
+    assert got.returncode == 0, got.stdout + got.stderr
+    cluster.write_text(text.replace("listen: 0.0.0.0:6222", "listen: [6222"))  # a broken block is caught
+    assert check().returncode != 0
