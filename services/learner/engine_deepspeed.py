@@ -42,18 +42,27 @@ def pick_device(device: str) -> str:
     return device
 
 
-def _init_distributed(device: str) -> None:
-    """A one-process torch.distributed group, once per process (DeepSpeed needs one)."""
+def _init_distributed(device: str) -> tuple[int, int]:
+    """The torch.distributed group DeepSpeed needs, once per process; returns (rank,
+    world size). Under DeepSpeed's launcher or torchrun (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT set): their group, data parallel across the ranks (gloo on
+    CPU, nccl on CUDA, one GPU per local rank). Otherwise a group of this one process."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return
+        return dist.get_rank(), dist.get_world_size()
+    backend = "nccl" if device == "cuda" else "gloo"
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)  # env:// from the launcher
+        return dist.get_rank(), dist.get_world_size()
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     # the rendezvous address goes in the call, not in os.environ: processes this one
     # starts later (a test's services) would inherit a port it holds
-    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    dist.init_process_group(backend=backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    return 0, 1
 
 
 class TrainEngine:
@@ -94,7 +103,7 @@ class TrainEngine:
         elif spec.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(device)
 
-        _init_distributed(device)
+        self.rank, self.world_size = _init_distributed(device)
         params = [p for p in model.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in params)  # before ZeRO-3 partitions them
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
@@ -102,7 +111,7 @@ class TrainEngine:
             # accumulation over a variable number of micro-batches: boundaries by hand
             "train_micro_batch_size_per_gpu": spec.micro_batch_size,
             "gradient_accumulation_steps": 1,
-            "train_batch_size": spec.micro_batch_size,
+            "train_batch_size": spec.micro_batch_size * self.world_size,
             "gradient_clipping": spec.max_grad_norm,
             "zero_optimization": {"stage": spec.zero_stage},
             "zero_allow_untested_optimizer": True,
@@ -111,8 +120,8 @@ class TrainEngine:
             "wall_clock_breakdown": False,
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        log.info("engine ready: %s, %d trainable parameters, ZeRO %d, %s, %s",
-                 self.kind, self.n_trainable, spec.zero_stage, spec.dtype, device)
+        log.info("engine ready: %s, %d trainable parameters, ZeRO %d, %s, %s, rank %d of %d",
+                 self.kind, self.n_trainable, spec.zero_stage, spec.dtype, device, self.rank, self.world_size)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -204,8 +213,17 @@ class TrainEngine:
         zero = dict(loss=0.0, grad_norm=0.0, entropy=0.0, clip_frac=0.0, approx_kl=0.0, kl=0.0,
                     is_weight_mean=0.0, is_capped_frac=0.0, mismatch_kl=0.0, tokens=0.0, updates=0.0,
                     fwd_bwd_s=0.0, optimizer_s=0.0)
-        updates = [[b for b in u if b.num_tokens > 0] for u in updates]
-        kept = [(u, tot, None if lrs is None else lr) for u, tot, lr in zip(updates, totals, lrs or [None] * len(updates)) if u]
+        lrs = list(lrs) if lrs is not None else [None] * len(updates)
+        if self.world_size > 1:
+            # data parallel: this rank's shard (batching.shard_updates: every rank holds
+            # as many micro-batches of each update, a token-less one included, so their
+            # backward passes pair up); an update is kept when any rank has a policy token
+            counts = torch.tensor([float(sum(b.num_tokens for b in u)) for u in updates])
+            torch.distributed.all_reduce(counts)
+            kept = [(u, tot, lr) for u, tot, lr, c in zip(updates, totals, lrs, counts.tolist()) if u and c > 0]
+        else:
+            updates = [[b for b in u if b.num_tokens > 0] for u in updates]
+            kept = [(u, tot, lr) for u, tot, lr in zip(updates, totals, lrs) if u]
         if not kept:
             return zero
         prox: dict[int, torch.Tensor] = {}
@@ -236,7 +254,9 @@ class TrainEngine:
                     out = policy_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, cfg,
                                       weights=aggregation_weights(mb.loss_mask, self.spec.loss_agg, tot),
                                       logp_prox=lp_prox, logp_ref=ref, entropy=entropy)
-                    self.engine.backward(out.loss, scale_wrt_gas=False)
+                    # DeepSpeed averages gradients over the ranks: times world_size, the
+                    # ranks' sum is the whole update's gradient, as on one rank
+                    self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
                 t1 = time.perf_counter()
                 t_fb += t1 - t0
                 if last:
@@ -257,6 +277,11 @@ class TrainEngine:
             ds_norm = self.engine.get_global_grad_norm()
             if ds_norm is not None:
                 grad_norm = float(ds_norm)
+        if self.world_size > 1:  # every rank's share of the sums
+            keys = list(sums)
+            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+            torch.distributed.all_reduce(t)
+            sums = dict(zip(keys, t.tolist()))
         n = max(sums["tokens"], 1.0)
         return {
             "loss": sums["loss"] / len(kept),

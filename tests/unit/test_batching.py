@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from opentinker.schemas import Trajectory, TurnRecord
-from opentinker.services.learner.batching import build_batch, check_trajectory, micro_batches
+from opentinker.services.learner.batching import build_batch, check_trajectory, micro_batches, shard_updates
 from opentinker.services.learner.loss import token_logprobs
 
 
@@ -306,3 +306,20 @@ def test_update_plan_epochs_and_mini_batches():
     small = update_plan([4, 5, 6], 8, 1, seed=0)
     assert sorted(small) == [[4], [5], [6]]
     assert update_plan([], 2, 2, seed=0) == []
+
+
+def test_data_parallel_shards_split_each_update_evenly_and_pad_with_token_less_batches():
+    eps = [traj([1, 2, 3, 4 + i], [0, 1, 1, 1], [0.0, -1.0, -1.0, -1.0], episode=f"e{i}") for i in range(5)]
+    mbs = micro_batches(eps, [1.0] * 5, 1, 0)  # 5 micro-batches of one episode
+    updates = [mbs, mbs[:2], []]
+    shards = [shard_updates(updates, r, 2) for r in range(2)]
+    assert [[len(u) for u in sh] for sh in shards] == [[3, 1, 0], [3, 1, 0]]  # as many on each rank
+    # every micro-batch on exactly one rank; rank 1's third is a pad holding no policy token
+    assert [id(b) for b in shards[0][0]] == [id(mbs[0]), id(mbs[2]), id(mbs[4])]
+    assert [id(b) for b in shards[1][0][:2]] == [id(mbs[1]), id(mbs[3])]
+    pad = shards[1][0][2]
+    assert pad.num_tokens == 0 and torch.equal(pad.input_ids, mbs[0].input_ids)
+    assert sum(b.num_tokens for sh in shards for b in sh[0]) == sum(b.num_tokens for b in mbs)
+    assert shard_updates(updates, 0, 1) == [mbs, mbs[:2], []]  # one rank: everything
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        shard_updates(updates, 2, 2)
