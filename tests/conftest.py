@@ -273,3 +273,24 @@ async def world(tmp_path_factory, home, tiny_model):
     yield await gen.__anext__()
     with contextlib.suppress(StopAsyncIteration):
         await gen.__anext__()
+
+
+RANK_SCRIPT = Path(__file__).resolve().parent / "ranks" / "engine_step.py"
+
+
+def run_ranks(n: int, model: str, out: Path, zero_stage: int, device: str = "cpu") -> tuple[dict, dict]:
+    """tests/ranks/engine_step.py on `n` ranks (torchrun): rank 0's (metrics, weights)."""
+    import json
+
+    from safetensors.torch import load
+
+    from opentinker.services.core.nats_server import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    got = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(RANK_SCRIPT), model, str(out),
+                          str(zero_stage), device], capture_output=True, text=True, env=env, timeout=400)
+    assert got.returncode == 0, got.stdout[-4000:] + got.stderr[-8000:]
+    return json.loads((out / "metrics.json").read_text()), load((out / "weights.safetensors").read_bytes())

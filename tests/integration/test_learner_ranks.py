@@ -3,30 +3,10 @@ on its shard of the micro-batches, give the loss, gradient norm and weights of 1
 the same batch: ZeRO off, at stage 2 (optimizer state and gradients partitioned) and at
 stage 3 (parameters too)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load
 
-from opentinker.services.core.nats_server import free_port
-
-SCRIPT = Path(__file__).resolve().parents[1] / "ranks" / "engine_step.py"
-
-
-def run_ranks(n: int, model: str, out: Path, zero_stage: int) -> tuple[dict, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    got = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(SCRIPT), model, str(out),
-                          str(zero_stage)], capture_output=True, text=True, env=env, timeout=400)
-    assert got.returncode == 0, got.stdout[-4000:] + got.stderr[-8000:]
-    return json.loads((out / "metrics.json").read_text()), load((out / "weights.safetensors").read_bytes())
+from conftest import run_ranks
 
 
 @pytest.fixture(scope="module")

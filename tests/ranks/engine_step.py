@@ -1,6 +1,6 @@
 """Two training steps of the learner's engine on one fixed batch, as one rank of a
 data-parallel group started by torchrun (`python -m torch.distributed.run
---nproc_per_node N engine_step.py MODEL OUT ZERO_STAGE`): each rank trains on its shard
+--nproc_per_node N engine_step.py MODEL OUT ZERO_STAGE [DEVICE]`): each rank trains on its shard
 (batching.shard_updates); rank 0 writes the metrics and the weights to OUT.
 tests/integration/test_learner_ranks.py compares 1 rank with 2."""
 
@@ -25,11 +25,11 @@ def trajectory(i: int, prompt: int, gen: int, reward: float) -> Trajectory:
                       reward=reward, policy_version=0)
 
 
-def main(model: str, out: Path, zero_stage: int) -> None:
+def main(model: str, out: Path, zero_stage: int, device: str = "cpu") -> None:
     torch.manual_seed(0)  # the same LoRA init on every rank and in every run
     spec = JobSpec(lora_rank=4, lora_alpha=8, lr=1e-2, micro_batch_size=2, prompts_per_step=1, group_size=8,
                    zero_stage=zero_stage)
-    eng = TrainEngine(spec, model, device="cpu")
+    eng = TrainEngine(spec, model, device=device)
     # 7 episodes in 4 micro-batches: with 2 ranks one holds a token-less pad
     trajs = [trajectory(i, 4 + i % 3, 3 + i % 4, float(i % 2)) for i in range(7)]
     adv = [1.0 if t.reward else -1.0 for t in trajs]
@@ -49,4 +49,4 @@ def main(model: str, out: Path, zero_stage: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])

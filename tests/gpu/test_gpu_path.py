@@ -1,0 +1,97 @@
+"""The GPU path, on a machine with CUDA (`pytest -m gpu tests/gpu`; skipped without a
+device): the DeepSpeed learner on CUDA against the same step on CPU, the bf16 learner,
+vLLM's CUDA engine with an in-place weight reload, and the data-parallel learner on
+every GPU (one rank each, nccl) against one rank."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture
+def rank_env(monkeypatch):
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(key, os.environ.get(key, value))
+
+
+def _step(tiny_model: str, device: str, dtype: str = "float32") -> tuple[dict, torch.Tensor]:
+    """Two train steps of the engine_step.py batch on `device`; (last metrics, LoRA B)."""
+    from ranks.engine_step import trajectory
+
+    from opentinker.schemas import JobSpec
+    from opentinker.services.learner.batching import micro_batches
+    from opentinker.services.learner.engine_deepspeed import TrainEngine
+    from opentinker.services.learner.loss import AggTotals
+
+    torch.manual_seed(0)
+    spec = JobSpec(lora_rank=4, lora_alpha=8, lr=1e-2, micro_batch_size=2, prompts_per_step=1, group_size=8,
+                   dtype=dtype)
+    eng = TrainEngine(spec, tiny_model, device=device)
+    try:
+        trajs = [trajectory(i, 4 + i % 3, 3 + i % 4, float(i % 2)) for i in range(7)]
+        mbs = micro_batches(trajs, [1.0 if t.reward else -1.0 for t in trajs], 2, eng.pad_id)
+        mbs = [b._replace(logprobs=lp.detach().cpu()) for b, lp in zip(mbs, eng.sequence_logprobs(mbs, False))]
+        tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=7.0, max_len=32.0)
+        out = [eng.train_step([mbs], [tot], [spec.lr]) for _ in range(2)][-1]
+        b = torch.cat([p.detach().float().cpu().flatten() for n, p in eng.module.named_parameters() if "lora_B" in n])
+        return out, b
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_learner_on_cuda_trains_as_on_cpu(tiny_model, rank_env):
+    cuda, b_cuda = _step(tiny_model, "cuda")
+    cpu, b_cpu = _step(tiny_model, "cpu")
+    assert cuda["loss"] == pytest.approx(cpu["loss"], rel=1e-3, abs=1e-5)
+    assert cuda["grad_norm"] == pytest.approx(cpu["grad_norm"], rel=1e-3)
+    assert torch.allclose(b_cuda, b_cpu, atol=1e-4) and b_cpu.abs().sum() > 0
+
+
+@pytest.mark.timeout(600)
+def test_the_bf16_learner_on_cuda_trains(tiny_model, rank_env):
+    out, b = _step(tiny_model, "cuda", dtype="bfloat16")
+    assert math.isfinite(out["loss"]) and out["grad_norm"] > 0 and b.abs().sum() > 0
+
+
+@pytest.mark.timeout(900)
+def test_vllm_on_cuda_generates_and_scores_a_reload_as_a_fresh_engine(tiny_model, tmp_path):
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file
+
+    from opentinker.schemas import SamplingParams
+    from opentinker.services.rollout.engine_vllm import VLLMEngine
+
+    base = load_file(f"{tiny_model}/model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    engine = VLLMEngine(tiny_model, device="cuda")
+    try:
+        prompt = list(range(10, 40))
+        outs = engine.generate([prompt] * 4, SamplingParams(temperature=1.0, max_new_tokens=8))
+        assert all(len(o.token_ids) == 8 and len(o.logprobs) == 8 for o in outs)
+        before = engine.prompt_logprobs([prompt])[0][1:]
+        engine.load_weights({key: base[key] * 1.5})
+        after = engine.prompt_logprobs([prompt])[0][1:]
+        assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3  # the reload took effect
+    finally:
+        del engine
+        gc.collect()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+def test_the_data_parallel_learner_on_every_gpu_trains_as_one_rank(tmp_path, tiny_model):
+    from conftest import run_ranks
+
+    one, w1 = run_ranks(1, tiny_model, tmp_path / "one", 0, "cuda")
+    many, wn = run_ranks(torch.cuda.device_count(), tiny_model, tmp_path / "many", 2, "cuda")
+    assert many["steps"][-1]["loss"] == pytest.approx(one["steps"][-1]["loss"], rel=1e-3, abs=1e-5)
+    assert all(torch.allclose(w1[k], wn[k], atol=1e-4) for k in w1)
