@@ -218,7 +218,8 @@ class TrainEngine:
             # data parallel: this rank's shard (batching.shard_updates: every rank holds
             # as many micro-batches of each update, a token-less one included, so their
             # backward passes pair up); an update is kept when any rank has a policy token
-            counts = torch.tensor([float(sum(b.num_tokens for b in u)) for u in updates])
+            # (on the device: nccl reduces CUDA tensors only)
+            counts = torch.tensor([float(sum(b.num_tokens for b in u)) for u in updates], device=self.device)
             torch.distributed.all_reduce(counts)
             kept = [(u, tot, lr) for u, tot, lr, c in zip(updates, totals, lrs, counts.tolist()) if u and c > 0]
         else:
@@ -279,7 +280,7 @@ class TrainEngine:
                 grad_norm = float(ds_norm)
         if self.world_size > 1:  # every rank's share of the sums
             keys = list(sums)
-            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(t)
             sums = dict(zip(keys, t.tolist()))
         n = max(sums["tokens"], 1.0)

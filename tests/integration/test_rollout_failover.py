@@ -16,6 +16,10 @@ from opentinker.sdk import Client
 
 from conftest import follow, submit_when_ready, until
 
+# long enough that the job is still running when the test freezes a worker: steps whose
+# rewards are all equal train nothing and take well under a second here
+STEPS = 30
+
 
 async def outstanding(bus, worker: str) -> int:
     """Rollout requests addressed to `worker` and not acked: waiting or being served."""
@@ -36,7 +40,7 @@ async def test_a_killed_rollout_worker_loses_the_job_nothing_and_requeues_nothin
     names = [f"r1-{job_id}", f"r2-{job_id}"]
     workers = {w: services.start("rollout", "engine=hf", f"worker_id={w}") for w in names}
     spec = {"name": "failover", "model": tiny_model, "env": "arith", "engine": "hf", "lora_rank": 4,
-            "prompts_per_step": 4, "group_size": 2, "steps": 5, "lr": 1e-3, "checkpoint_every": 10,
+            "prompts_per_step": 4, "group_size": 2, "steps": STEPS, "lr": 1e-3, "checkpoint_every": 10,
             "micro_batch_size": 4, "rollout_workers": 2, "max_staleness": 1,
             "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}}
     client = await Client.connect(nats_url)
@@ -63,9 +67,8 @@ async def test_a_killed_rollout_worker_loses_the_job_nothing_and_requeues_nothin
         assert not any(" queued: " in h and "left the pool" in h for h in rec.history), rec.history
         assert learner.poll() is None and "resumed from step" not in services.logs()
         train = [m for m in got if m.split == "train"]
-        assert sorted(m.step for m in train) == list(range(5))  # each step trained once
+        assert sorted(m.step for m in train) == list(range(STEPS))  # each step trained once
         assert sum(m.values["failed_over"] for m in train) >= 1, [m.values for m in train]
-        assert f"asking its open groups again on {rec.placement.rollout[0]}" in services.logs()
 
         # every trajectory names its worker; both served the job, and every trained
         # group's episodes came whole from one worker
