@@ -84,6 +84,10 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     workers of its pool (an inference job: rollout workers only). The learner sends the
     groups to them in turn; a training job that loses some of them (a killed worker)
     goes on with the rest, its lost groups asked again there, without a requeue.
+    `learner_ranks` > 1 trains data parallel on that many ranks of the learner's host
+    (torchrun; one GPU each on CUDA): each rank trains on its shard of every update's
+    micro-batches and DeepSpeed all-reduces the gradients, ZeRO `zero_stage`
+    partitioning across them. The placement needs a learner offering that many.
 
     Asynchrony: `max_staleness` = 1 (the default) samples step s+1 with policy s while
     step s trains; `rollout_is` corrects for it (and for the sampler/learner numeric
@@ -157,6 +161,7 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sft_query: str = ""
     sft_batch_size: Bounded(int, 1, 4096) = 16
     rollout_workers: Bounded(int, 1, 64) = 1
+    learner_ranks: Bounded(int, 1, 64) = 1
     # -- the objective (loss.py): options named as in verl / TRL, each citing its source
     advantage_estimator: AdvantageEstimator = "grpo"
     clip_range_high: Bounded(float, 0, 10, note="0 = clip_range (symmetric)") = 0.0
@@ -298,6 +303,8 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
     if spec.algorithm == "sft":
         _check(bool(spec.sft_data) != bool(spec.sft_query), "sft_data",
                "an SFT job needs exactly one of sft_data (a dataset file) or sft_query (SQL over the log)")
+        _check(spec.learner_ranks == 1, "learner_ranks",
+               f"an SFT job trains on one rank (got {spec.learner_ranks}); data parallel is for GRPO jobs")
     _check(spec.dual_clip == 0 or spec.dual_clip > 1, "dual_clip",
            f"must be 0 (off) or > 1 (got {spec.dual_clip!r}): the bound is c * |A| with c > 1, arXiv 1912.09729")
     if spec.algorithm == "grpo":

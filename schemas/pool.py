@@ -18,13 +18,15 @@ WorkerKind = Literal["rollout", "learner"]
 
 class WorkerCapacity(msgspec.Struct, frozen=True, kw_only=True):
     """What one worker can hold. `slots`: jobs at once (a learner trains one; a rollout
-    worker serves several jobs of one base model, each with its own adapter)."""
+    worker serves several jobs of one base model, each with its own adapter). `ranks`:
+    a learner's most data-parallel ranks for one job (JobSpec.learner_ranks)."""
 
     slots: int = 1
     gpus: int = 0
     cpu_cores: int = 0
     memory_gb: float = 0.0
     engines: list[str] = msgspec.field(default_factory=list)  # "vllm", "hf", "deepspeed"
+    ranks: int = 1
 
 
 class WorkerInfo(Message, frozen=True, kw_only=True):

@@ -278,8 +278,10 @@ async def world(tmp_path_factory, home, tiny_model):
 RANK_SCRIPT = Path(__file__).resolve().parent / "ranks" / "engine_step.py"
 
 
-def run_ranks(n: int, model: str, out: Path, zero_stage: int, device: str = "cpu") -> tuple[dict, dict]:
-    """tests/ranks/engine_step.py on `n` ranks (torchrun): rank 0's (metrics, weights)."""
+def run_ranks(n: int, model: str, out: Path, zero_stage: int, device: str = "cpu", *extra: str,
+              script: Path = RANK_SCRIPT) -> tuple[dict, dict]:
+    """tests/ranks/engine_step.py (or `script`) on `n` ranks (torchrun): rank 0's
+    (metrics, weights)."""
     import json
 
     from safetensors.torch import load
@@ -290,7 +292,7 @@ def run_ranks(n: int, model: str, out: Path, zero_stage: int, device: str = "cpu
                                                             "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     got = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(RANK_SCRIPT), model, str(out),
-                          str(zero_stage), device], capture_output=True, text=True, env=env, timeout=400)
+                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), model, str(out),
+                          str(zero_stage), device, *extra], capture_output=True, text=True, env=env, timeout=400)
     assert got.returncode == 0, got.stdout[-4000:] + got.stderr[-8000:]
     return json.loads((out / "metrics.json").read_text()), load((out / "weights.safetensors").read_bytes())

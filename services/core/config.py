@@ -31,6 +31,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_id: str = ""
     pool: str = "default"         # the worker pool a scheduler places on and a worker joins
     rollout_slots: int = 4        # jobs one rollout worker serves at once (one adapter each)
+    # a learner's most data-parallel ranks for one job (JobSpec.learner_ranks); 0: the
+    # GPUs it sees on CUDA, else its CPU cores
+    learner_max_ranks: int = 0
     # vLLM multi-LoRA: adapters up to `lora_max_rank` are applied by vLLM per request,
     # one loaded per job slot, instead of merged into the weights at each job switch.
     # "auto": on with CUDA; off on CPU, where vLLM's LoRA kernels made generation

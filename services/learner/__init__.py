@@ -12,6 +12,8 @@
     batching.py         trajectories -> padded tensors and advantages
     checkpoint.py       save / resume through the object store
     engine_deepspeed.py the only module importing deepspeed
+    ranks.py            learner_ranks > 1: the engine as torchrun's data-parallel ranks,
+                        fed by the service (RankGroup)
 """
 
 import os

@@ -1,7 +1,8 @@
 """The policy under training: a transformers causal LM (LoRA via peft, or every
 parameter) wrapped in a DeepSpeed engine. The only module that imports deepspeed.
 
-One process, world size 1 (gloo on CPU, nccl on CUDA); ZeRO stage from the job spec;
+One rank, or one of `learner_ranks` data-parallel ranks under torchrun (ranks.py; gloo
+on CPU, nccl on CUDA); ZeRO stage from the job spec;
 a client torch AdamW optimizer (DeepSpeed's CPU-Adam op would be compiled on first use,
 about 80 s on a 2-core CPU machine). Gradients accumulate over a variable number of
 micro-batches (the accumulation boundary is set by hand, DeepSpeed's
@@ -388,9 +389,15 @@ class TrainEngine:
 
     def save_state(self, directory: str | Path) -> None:
         """Write trainable weights and optimizer state (DeepSpeed's checkpoint format,
-        any ZeRO stage; frozen base weights are left out) into `directory`."""
+        any ZeRO stage; frozen base weights are left out) into `directory`. Data
+        parallel: every rank calls it with the same `directory` (one file system); each
+        writes its ZeRO partition."""
         self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False,
                                     exclude_frozen_parameters=True)
+        if self.world_size > 1:  # every rank's files are written; rank 0 alone edits them
+            torch.distributed.barrier()
+            if self.rank != 0:
+                return
         # DeepSpeed keeps a frozen weight that is tied to another (lm_head to the
         # embedding) despite exclude_frozen_parameters: 113 MB for SmolLM2. Drop it.
         trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}
@@ -402,18 +409,64 @@ class TrainEngine:
                 torch.save(state, path)
 
     def load_state(self, directory: str | Path) -> None:
-        """Restore what `save_state` wrote. Raises if the files do not match the model."""
+        """Restore what `save_state` wrote, on any number of ranks: state saved by another
+        number of ranks with per-rank optimizer partitions (ZeRO 1-3) is first
+        converted to DeepSpeed's universal checkpoint (`ds_to_universal`, by rank 0 in
+        `directory/universal`), which loads on any data-parallel degree (Lian et al.
+        2024, "Universal Checkpointing", arXiv 2406.18820). Without ZeRO every rank
+        loads the whole state. Raises if the files do not match the model."""
+        directory = Path(directory)
+        saved = self.saved_world_size(directory)
+        # per-rank optimizer partitions (ZeRO 1-3; DeepSpeed's bf16 optimizer at stage 0)
+        partitioned = any((directory / DS_TAG).glob("*optim_states.pt"))
+        if partitioned and saved != self.world_size:
+            universal = directory / "universal"
+            if self.rank == 0:
+                import argparse
+
+                from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+                log.info("checkpoint of %d ranks, resumed on %d: converting it to a universal checkpoint",
+                         saved, self.world_size)
+                to_universal(argparse.Namespace(
+                    input_folder=str(directory / DS_TAG), output_folder=str(universal / DS_TAG),
+                    num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                    inject_missing_state=True))
+            if self.world_size > 1:
+                torch.distributed.barrier()
+            self.engine._config.load_universal_checkpoint = True  # the engine reads its config at load
+            try:
+                self._load(universal)
+            finally:
+                self.engine._config.load_universal_checkpoint = False
+            return
+        self._load(directory)
+
+    def _load(self, directory: Path) -> None:
         path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=False,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint under {directory}")
 
+    @staticmethod
+    def saved_world_size(directory: str | Path) -> int:
+        """The data-parallel ranks that wrote the DeepSpeed state under `directory`
+        (what DeepSpeed records in its model-states file). Raises RuntimeError when
+        there is none."""
+        files = sorted((Path(directory) / DS_TAG).glob("*mp_rank_00_model_states.pt"))
+        if not files:
+            raise RuntimeError(f"no DeepSpeed checkpoint under {directory}")
+        state = torch.load(files[0], map_location="cpu", weights_only=False)
+        return int(state.get("dp_world_size") or 1)
+
     def save_pretrained(self, directory: str | Path) -> None:
         """Save for inference in Hugging Face format: the adapter (LoRA) or the whole
         model (full), plus the tokenizer."""
-        with self._gathered():
-            self.module.save_pretrained(str(directory), safe_serialization=True)
-        self.tokenizer.save_pretrained(str(directory))
+        with self._gathered():  # collective under ZeRO-3; rank 0 writes
+            if self.rank == 0:
+                self.module.save_pretrained(str(directory), safe_serialization=True)
+        if self.rank == 0:
+            self.tokenizer.save_pretrained(str(directory))
 
     def close(self) -> None:
         """Drop the engine's memory (the process serves the next job)."""

@@ -539,6 +539,7 @@ class JobRun(RunLifecycle):
             "fwd_bwd_s": out["fwd_bwd_s"],
             "optimizer_s": out["optimizer_s"],
             "weights_s": self.weights_s,
+            "learner_ranks": float(self.engine.world_size),
         }
         await self.step_done(s, values, list(dict.fromkeys(t.request_id for t in trajs)))
 

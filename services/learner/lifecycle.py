@@ -182,9 +182,15 @@ class RunLifecycle:
         self.tenant = await access.tenant_of_job(self.bus, self.job_id)
         model = access.check_model_ref(self.spec.model, **self.tenant.rules(self.settings.home))
         model_path = await self.in_engine(resolve_model, model, self.settings.home)
-        from opentinker.services.learner.engine_deepspeed import TrainEngine
+        from opentinker.services.learner.engine_deepspeed import TrainEngine, pick_device
 
-        self.engine = await self.in_engine(TrainEngine, self.spec, model_path, self.settings.device)
+        if self.spec.learner_ranks > 1:  # data parallel: torchrun's ranks (ranks.py)
+            from opentinker.services.learner.ranks import RankGroup
+
+            self.engine = await self.in_engine(RankGroup, self.spec, model_path, pick_device(self.settings.device),
+                                               self.scratch, self.settings.threads or None)
+        else:
+            self.engine = await self.in_engine(TrainEngine, self.spec, model_path, self.settings.device)
         self.check_live()
 
     async def finish(self) -> None:

@@ -9,7 +9,7 @@ an `SFTRun` (sft.py): the same weights, metrics and checkpoints, from a dataset 
 DuckDB-filtered slice of the trajectory log.
 
 Joins the pool: a heartbeat in KV `ot_workers` (kind "learner", one slot, the job it
-runs), so the scheduler places jobs here and requeues them if this process dies.
+runs, the most data-parallel ranks it starts for one job: `learner_max_ranks`), so the scheduler places jobs here and requeues them if this process dies.
 
 Reads
 - `ot.ctl.assign.learner.<worker_id>` (OT_CTL work queue, durable "learner-<worker_id>"):
@@ -55,6 +55,7 @@ from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import Heartbeat, default_worker_id, machine_capacity
 from opentinker.services.core.runner import run_service
 from opentinker.services.learner.job import SERVICE, JobRun, JobStopped
+from opentinker.services.learner.engine_deepspeed import pick_device
 
 log = logging.getLogger("opentinker.learner")
 
@@ -174,8 +175,11 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     sub = await bus.durable(S.assignments_durable(worker), ack_wait_s=ASSIGN_ACK_WAIT_S)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-engine")
     running: list[str] = []
-    beat = Heartbeat(bus, "learner", worker, settings.pool, machine_capacity(1, ["deepspeed"]),
-                     jobs=lambda: list(running))
+    capacity = machine_capacity(1, ["deepspeed"])
+    ranks = settings.learner_max_ranks or (capacity.gpus if pick_device(settings.device) == "cuda"
+                                            else capacity.cpu_cores)
+    capacity = msgspec.structs.replace(capacity, ranks=max(1, ranks))
+    beat = Heartbeat(bus, "learner", worker, settings.pool, capacity, jobs=lambda: list(running))
     await beat.start()
     log.info("learner %s of pool %s ready on %s", worker, settings.pool, settings.nats_url)
     try:

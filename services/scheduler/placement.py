@@ -6,7 +6,8 @@ quota waits without holding up other users' jobs; the first job that does not fi
 free capacity stops placement for this round, so a large job is never starved by
 smaller ones behind it. A job the whole pool could not hold even when idle (more
 rollout workers than it has, or no learner at all) waits without stopping the round:
-otherwise one tenant's impossible job would stall every job behind it. A training job takes one free learner and `rollout_workers`
+otherwise one tenant's impossible job would stall every job behind it. A training job takes one free learner offering its
+`learner_ranks` (data-parallel ranks on that learner's host) and `rollout_workers`
 rollout workers with a free slot; an inference job takes rollout workers only. Among
 rollout workers, those already serving the job's base model come first (LoRA jobs of
 one base model share a worker and its engine, each with its own adapter), then the
@@ -112,7 +113,6 @@ def plan(queued: list[JobRecord], active: list[JobRecord], live: dict[str, Worke
     """
     load = current_load(active)
     busy_with = {j for info in live.values() for j in info.jobs}
-    learners = sum(1 for i in live.values() if i.kind == "learner")
     out = []
     for rec in sorted(queued, key=lambda r: (r.created_s, r.job_id)):
         q = quota_of(rec.user)
@@ -122,12 +122,14 @@ def plan(queued: list[JobRecord], active: list[JobRecord], live: dict[str, Worke
         if rec.job_id in busy_with:
             continue  # the last attempt's worker is still letting go
         could_ever = [w for w, i in live.items() if i.kind == "rollout" and _supports(i, rec.spec.engine)]
-        if len(could_ever) < rollout_needed(rec) or (rec.kind == "train" and not learners):
+        ranks = rec.spec.learner_ranks
+        if len(could_ever) < rollout_needed(rec) or (rec.kind == "train" and not any(
+                i.kind == "learner" and i.capacity.ranks >= ranks for i in live.values())):
             continue  # the pool cannot hold it even idle: it waits and blocks no one
         learner = ""
         if rec.kind == "train":
-            free = sorted(w for w, i in live.items()
-                          if i.kind == "learner" and load.learners[w] < i.capacity.slots)
+            free = sorted(w for w, i in live.items() if i.kind == "learner"
+                          and load.learners[w] < i.capacity.slots and i.capacity.ranks >= ranks)
             if not free:
                 break
             learner = free[0]

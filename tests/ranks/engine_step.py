@@ -1,7 +1,9 @@
 """Two training steps of the learner's engine on one fixed batch, as one rank of a
 data-parallel group started by torchrun (`python -m torch.distributed.run
---nproc_per_node N engine_step.py MODEL OUT ZERO_STAGE [DEVICE]`): each rank trains on its shard
-(batching.shard_updates); rank 0 writes the metrics and the weights to OUT.
+--nproc_per_node N engine_step.py MODEL OUT ZERO_STAGE [DEVICE [save|resume CHECKPOINT]]`):
+each rank trains on its shard (batching.shard_updates); rank 0 writes the metrics and
+the weights to OUT. "save": the first step only, then the engine's state to CHECKPOINT;
+"resume": that state loaded (written by any number of ranks), then the second step.
 tests/integration/test_learner_ranks.py compares 1 rank with 2."""
 
 import json
@@ -25,7 +27,7 @@ def trajectory(i: int, prompt: int, gen: int, reward: float) -> Trajectory:
                       reward=reward, policy_version=0)
 
 
-def main(model: str, out: Path, zero_stage: int, device: str = "cpu") -> None:
+def main(model: str, out: Path, zero_stage: int, device: str = "cpu", mode: str = "", checkpoint: str = "") -> None:
     torch.manual_seed(0)  # the same LoRA init on every rank and in every run
     spec = JobSpec(lora_rank=4, lora_alpha=8, lr=1e-2, micro_batch_size=2, prompts_per_step=1, group_size=8,
                    zero_stage=zero_stage)
@@ -38,7 +40,12 @@ def main(model: str, out: Path, zero_stage: int, device: str = "cpu") -> None:
     mbs = [b._replace(logprobs=lp.detach()) for b, lp in zip(mbs, eng.sequence_logprobs(mbs, reference=False))]
     tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=float(len(trajs)), max_len=32.0)
     mine = shard_updates([mbs], eng.rank, eng.world_size)
-    steps = [eng.train_step(mine, [tot], [spec.lr]) for _ in range(2)]  # the second uses Adam's state
+    if mode == "resume":
+        eng.load_state(checkpoint)
+    # the second step uses Adam's state
+    steps = [eng.train_step(mine, [tot], [spec.lr]) for _ in range(1 if mode else 2)]
+    if mode == "save":
+        eng.save_state(checkpoint)
     weights = eng.weights_bytes()
     if eng.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -49,4 +56,4 @@ def main(model: str, out: Path, zero_stage: int, device: str = "cpu") -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7])

@@ -9,8 +9,9 @@ from opentinker.services.scheduler.placement import Quota, lost_workers, plan, w
 BIG = Quota(max_jobs=10, max_workers=10)
 
 
-def worker(wid: str, kind: str, slots: int = 1, engines=(), jobs=()) -> WorkerInfo:
-    return WorkerInfo(worker_id=wid, kind=kind, capacity=WorkerCapacity(slots=slots, engines=list(engines)),
+def worker(wid: str, kind: str, slots: int = 1, engines=(), jobs=(), ranks: int = 1) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, kind=kind,
+                      capacity=WorkerCapacity(slots=slots, engines=list(engines), ranks=ranks),
                       jobs=list(jobs), time_s=1.0)
 
 
@@ -121,3 +122,20 @@ def test_a_job_the_whole_pool_cannot_hold_blocks_no_one():
     big = job("big", 1.0, user="carol", rollout_workers=1)
     live2 = pool(worker("l1", "learner"), worker("l2", "learner"), worker("r1", "rollout", slots=1))
     assert plan([big, job("c", 2.0, user="dave")], [busy], live2, lambda u: BIG, 5.0) == []
+
+
+def test_a_data_parallel_job_takes_a_learner_offering_its_ranks():
+    live = pool(worker("l1", "learner", ranks=1), worker("l2", "learner", ranks=4),
+                worker("r1", "rollout", slots=4))
+    got = plan([job("dp", 1.0, learner_ranks=2), job("one", 2.0)], [], live, lambda u: BIG, 5.0)
+    assert [(r.job_id, p.learner) for r, p in got] == [("dp", "l2"), ("one", "l1")]
+    # the learner offering enough ranks is busy: the job waits, holding the round back
+    busy = job("a", 0.5, placement=Placement(attempt=1, learner="l2", rollout=["r1"]))
+    got = plan([job("dp", 1.0, learner_ranks=2), job("one", 2.0)], [busy], live, lambda u: BIG, 5.0)
+    assert got == []
+
+
+def test_a_job_wanting_more_ranks_than_any_learner_offers_blocks_no_one():
+    live = pool(worker("l1", "learner", ranks=2), worker("r1", "rollout", slots=4))
+    got = plan([job("huge", 1.0, learner_ranks=8), job("one", 2.0)], [], live, lambda u: BIG, 5.0)
+    assert [r.job_id for r, _ in got] == ["one"]

@@ -125,6 +125,13 @@ def test_top_p_below_one_is_refused_for_training_only():
         spec_from_dict({}, "serve")
 
 
+def test_data_parallel_ranks_are_for_grpo_jobs():
+    assert spec_from_dict({"learner_ranks": 2}).learner_ranks == 2
+    e = refused({"algorithm": "sft", "sft_data": "d.jsonl", "learner_ranks": 2})
+    assert e.field == "learner_ranks" and "one rank" in e.reason
+    assert refused({"learner_ranks": 65}).field == "learner_ranks"
+
+
 def test_validate_job_spec_takes_the_kind():
     s = msgspec.convert({"sampling": {"top_p": 0.5}}, type(spec_from_dict({})))
     assert validate_job_spec(s, "inference") is s
