@@ -20,7 +20,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     services = tuple(s for s in SERVICES if s not in args.without)
     try:
         stack = Stack(home(), nats_url=os.environ.get("NATS_URL") or None, services=services,
-                      cluster=args.cluster).start()
+                      cluster=args.cluster, rollout_workers=args.rollout_workers).start()
     except ValueError as e:
         raise SystemExit(f"opentinker up: {e}") from None
     where = stack.home / ("nats-cluster" if stack.cluster else "nats")
@@ -81,6 +81,8 @@ def register(sub) -> None:
     s.add_argument("--without", nargs="*", default=[], choices=SERVICES, help="services not to start")
     s.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="run N (3 or more) nats-servers as one cluster, streams replicated on 3 of them")
+    s.add_argument("--rollout-workers", type=int, default=1, metavar="N",
+                   help="start N rollout workers (a job takes `rollout_workers` of them)")
     s.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("serve", help="run one service in the foreground")

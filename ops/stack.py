@@ -41,10 +41,13 @@ class Stack:
 
     def __init__(self, home: str | Path, nats_url: str | None = None,
                  services: tuple[str, ...] = SERVICES, overrides: dict[str, list[str]] | None = None,
-                 cluster: int = 0):
+                 cluster: int = 0, rollout_workers: int = 1):
         if cluster < 0 or cluster == 2:
             raise ValueError(f"cluster: {cluster} nodes (0 or 1: one server; 3 or more: a cluster, "
                              "which needs a majority of its nodes up, so 2 would survive no loss)")
+        if rollout_workers < 1:
+            raise ValueError(f"rollout_workers: {rollout_workers} (at least 1)")
+        self.rollout_workers = rollout_workers
         self.home = Path(home)
         self.nats_url = nats_url
         self.cluster = cluster if cluster > 1 else 0
@@ -73,6 +76,9 @@ class Stack:
             self.api_url = f"http://127.0.0.1:{api_port}/"
         for name in self.services:
             self.spawn(name)
+            if name == "rollout":  # more rollout workers: rollout-2, rollout-3, ... (own ids and logs)
+                for i in range(2, self.rollout_workers + 1):
+                    self.spawn(f"rollout-{i}")
         time.sleep(1.0)
         self.check()
         (self.home / "stack.json").write_text(json.dumps(
@@ -109,8 +115,10 @@ class Stack:
         return env
 
     def spawn(self, name: str) -> subprocess.Popen:
-        """Start (or restart) service `name` as a child process logging to <home>/logs."""
-        env = self.child_env(name)
+        """Start (or restart) service `name` (`rollout-2`: a second rollout worker) as a
+        child process logging to <home>/logs/<name>.log."""
+        service = name.partition("-")[0]
+        env = self.child_env(service)
         if name == "scheduler" and not (env.get("OPENTINKER_ADMIN_KEY") or env.get("OPENTINKER_ADMIN_KEY_FILE")):
             env["OPENTINKER_ADMIN_KEY_FILE"] = str(self.admin_key_file())
         if self.server is not None and self.server.auth:
@@ -118,12 +126,12 @@ class Stack:
             if name == "scheduler":
                 env.update(self.server.scheduler_env())
         log = open(self.log_dir / f"{name}.log", "ab")
-        overrides = list(self.overrides.get(name, []))
-        if name in ("rollout", "learner") and not any(o.startswith("worker_id=") for o in overrides):
+        overrides = list(self.overrides.get(service, []))
+        if service in ("rollout", "learner") and not any(o.startswith("worker_id=") for o in overrides):
             # the same identity across restarts: a worker back within its heartbeat's
             # life keeps its jobs (no requeue), and its unfinished work comes back to it
             overrides.append(f"worker_id={self.worker_id(name)}")
-        cmd = [sys.executable, "-m", f"opentinker.services.{name}", *overrides]
+        cmd = [sys.executable, "-m", f"opentinker.services.{service}", *overrides]
         self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         return self.procs[name]

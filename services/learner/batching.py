@@ -252,18 +252,21 @@ def micro_batch_indices(lengths: Sequence[int], micro_batch_size: int, max_token
 def shard_updates(updates: Sequence[Sequence[Batch]], rank: int, world_size: int) -> list[list[Batch]]:
     """Rank `rank`'s share of each update's micro-batches, data parallel over
     `world_size` ranks: micro-batches rank, rank + world_size, ... A rank left short
-    gets token-less copies of the update's first micro-batch (loss mask 0), so every rank
+    gets a token-less copy of the update's first micro-batch (loss mask 0; one object
+    per first micro-batch, as an epoch repeats the same Batch objects), so every rank
     runs as many forward/backward passes per update and their gradient all-reduces pair
     up (engine_deepspeed.TrainEngine.train_step). Raises ValueError for a rank outside
     [0, world_size)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of {world_size}: must be in [0, {world_size})")
     out = []
+    pads: dict[int, Batch] = {}  # one pad per first micro-batch: epochs repeat the same updates
     for u in map(list, updates):
         mine = u[rank::world_size]
         if u:
-            pad = u[0]._replace(loss_mask=torch.zeros_like(u[0].loss_mask))
-            mine += [pad] * (-(-len(u) // world_size) - len(mine))
+            if id(u[0]) not in pads:
+                pads[id(u[0])] = u[0]._replace(loss_mask=torch.zeros_like(u[0].loss_mask))
+            mine += [pads[id(u[0])]] * (-(-len(u) // world_size) - len(mine))
         out.append(mine)
     return out
 

@@ -148,6 +148,13 @@ class TrainEngine:
         B, T = mb.input_ids.shape
         zeros = torch.zeros(B, T, dtype=torch.float32, device=mb.input_ids.device)
         if cols.numel() == 0:
+            if self.world_size > 1:
+                # a token-less pad (batching.shard_updates): a forward all the same (of
+                # one column), its logits times 0, so that this rank's ZeRO-3 gathers and
+                # backward all-reduces pair with the other ranks' (a zero gradient)
+                logits = model(input_ids=mb.input_ids[:, :1], attention_mask=mb.attention_mask[:, :1],
+                               logits_to_keep=1).logits
+                zeros = zeros + 0.0 * logits.float().sum()
             return zeros, zeros
         lo, hi = int(cols[0]), int(cols[-1]) + 1
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,

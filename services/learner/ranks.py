@@ -12,8 +12,9 @@ command line) and scatters it to the ranks (`torch.distributed.scatter_object_li
 a training step's micro-batches are split by `batching.shard_updates`, so each rank
 trains on its shard and DeepSpeed all-reduces the gradients (ZeRO 0-3 partitions what
 the stage says across the N ranks); every other call (logprobs, weights, checkpoints)
-runs on every rank, as the collectives of ZeRO-3 need. Rank 0 answers with its result,
-or with the first rank's error.
+runs on every rank, as the collectives of ZeRO-3 need. Rank 0 answers with its result.
+A rank whose call fails ends the group at once (the others may be waiting for it in a
+collective): the call raises RankError naming the rank and its error.
 
 Why one rank talks to the bus, not each rank consuming its own shard: a step is the
 set of groups the ledger (ledger.py) admits (duplicates skipped, stale runs dropped,
@@ -23,8 +24,7 @@ keeps the exactly-once accounting of one rank, and the micro-batches a step send
 the ranks are a few MB.
 
 A rank that dies takes the group down (torchrun stops the others); the engine call in
-flight raises, and the job fails or, on the next assignment, resumes from its
-checkpoint. The service's own death closes rank 0's connection, and the group exits.
+flight raises RankError, and the job fails with it. The service's own death closes rank 0's connection, and the group exits.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ class RankGroup:
         fd = os.open(conn_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"host": address[0], "port": address[1], "authkey": authkey.hex()}, f)
+        self._dir = scratch
         self._log = scratch / "ranks.log"
         env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_VARS}
         per_rank = threads or max(1, (os.cpu_count() or 1) // self.world_size)
@@ -192,7 +193,9 @@ class RankGroup:
             _send(self._conn, ("call", name, args))
             status, value = _recv(self._conn)
         except (EOFError, OSError) as e:
-            raise RankError(f"the learner ranks stopped during {name} ({type(e).__name__}): {self._tail()}") from None
+            errors = sorted(self._dir.glob("rank-*.error"))
+            why = "; ".join(f.read_text(errors="replace") for f in errors) or self._tail()
+            raise RankError(f"the learner ranks stopped during {name} ({type(e).__name__}): {why}") from None
         if status != "ok":
             raise RankError(f"{name} failed on {value}")
         return value
@@ -279,17 +282,21 @@ def rank_main(conn_file: str, device: str) -> int:
         msg = box[0]
         if msg[0] == "close":
             break
-        result, error = None, ""
         try:
             engine, result = _execute(engine, msg, device)
         except Exception as e:
+            # the other ranks may wait in a collective this rank will never join: end the
+            # group (torchrun stops the rest), leaving the error for the service to name
             error = f"rank {rank}: {type(e).__name__}: {e}"
             logging.getLogger("opentinker.learner.ranks").error("%s\n%s", error, traceback.format_exc())
-        errors: list[Any] = [None] * world_size if rank == 0 else None
-        dist.gather_object(error, errors, dst=0)
+            with contextlib.suppress(OSError):
+                (Path(conn_file).parent / f"rank-{rank}.error").write_text(error[:4000])
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    _send(conn, ("error", error))
+            os._exit(1)
         if conn is not None:
-            first = next((e for e in errors if e), "")
-            _send(conn, ("error", first) if first else ("ok", result))
+            _send(conn, ("ok", result))
     if engine is not None:
         engine.close()
     if conn is not None:

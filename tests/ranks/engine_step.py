@@ -32,8 +32,8 @@ def main(model: str, out: Path, zero_stage: int, device: str = "cpu", mode: str 
     spec = JobSpec(lora_rank=4, lora_alpha=8, lr=1e-2, micro_batch_size=2, prompts_per_step=1, group_size=8,
                    zero_stage=zero_stage)
     eng = TrainEngine(spec, model, device=device)
-    # 7 episodes in 4 micro-batches: with 2 ranks one holds a token-less pad
-    trajs = [trajectory(i, 4 + i % 3, 3 + i % 4, float(i % 2)) for i in range(7)]
+    # 9 episodes in 5 micro-batches: with 2 ranks, rank 1 holds a token-less pad
+    trajs = [trajectory(i, 4 + i % 3, 3 + i % 4, float(i % 2)) for i in range(9)]
     adv = [1.0 if t.reward else -1.0 for t in trajs]
     mbs = micro_batches(trajs, adv, spec.micro_batch_size, eng.pad_id)
     # sampled by this very policy: ratio and importance weight start at 1 (full gradients)

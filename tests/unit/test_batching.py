@@ -320,6 +320,9 @@ def test_data_parallel_shards_split_each_update_evenly_and_pad_with_token_less_b
     pad = shards[1][0][2]
     assert pad.num_tokens == 0 and torch.equal(pad.input_ids, mbs[0].input_ids)
     assert sum(b.num_tokens for sh in shards for b in sh[0]) == sum(b.num_tokens for b in mbs)
+    # an epoch repeats an update's Batch objects: the pad is one object for both
+    again = shard_updates([mbs, mbs], 1, 2)
+    assert again[0][2] is again[1][2]
     assert shard_updates(updates, 0, 1) == [mbs, mbs[:2], []]  # one rank: everything
     with pytest.raises(ValueError, match="rank 2 of 2"):
         shard_updates(updates, 2, 2)

@@ -87,3 +87,11 @@ def test_service_applies_its_thread_count():
     (_, before, n, after, omp), *light = json.loads(out.stdout.strip().splitlines()[-1])
     assert n is None and after == before and omp is None
     assert [row[2:] for row in light] == [[1, 1, "1"], [3, 3, "3"]]
+
+
+def test_stack_starts_more_rollout_workers_under_their_own_ids(tmp_path):
+    stack = Stack(tmp_path, nats_url="nats://127.0.0.1:1", rollout_workers=3)
+    ids = {stack.worker_id(n) for n in ("rollout", "rollout-2", "rollout-3")}
+    assert len(ids) == 3 and all(i.startswith("rollout") for i in ids)
+    with pytest.raises(ValueError, match="rollout_workers"):
+        Stack(tmp_path, rollout_workers=0)
