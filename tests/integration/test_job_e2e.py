@@ -5,6 +5,7 @@ episodes in the Parquet log."""
 import asyncio
 import json
 import struct
+import zlib
 import subprocess
 import sys
 
@@ -53,31 +54,39 @@ async def _run_job(services, nats_url, tmp_path, spec, job_id, timeout_s=420, wa
         raise
 
 
-def wandb_history(wandb_dir, run_id: str) -> list[dict]:
+def wandb_history(wandb_dir, run_id: str) -> tuple[list[dict], bool]:
     """The history rows of the offline wandb run `run_id` under `wandb_dir`, read back
-    from its run file: W&B's record log (the LevelDB log format: a 7-byte file header,
-    32 KiB blocks of chunks, each with a 7-byte header of crc32, length and type) of
-    protobuf Records."""
+    from its run file, and whether the run's exit record is in it. The file is W&B's
+    record log (the LevelDB log format: a 7-byte file header, 32 KiB blocks of chunks,
+    each with a 7-byte header of crc32 (IEEE, over the type byte and the payload),
+    length and type) of protobuf Records. wandb's service may still be writing it after
+    `run.finish()` returns: reading stops at the first chunk that is cut short or fails
+    its checksum, as the LevelDB reader does at the tail of a live log."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
     data = path.read_bytes()
     assert struct.unpack("<4sHB", data[:7])[:2] == (b":W&B", 0xBEE1)
-    rows, pos, buf, block = [], 7, b"", 32768
+    rows, exited, pos, buf, block = [], False, 7, b"", 32768
     while pos + 7 <= len(data):
         if block - pos % block < 7:
             pos += block - pos % block  # a block's tail too short for a header is padding
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        buf += data[pos + 7:pos + 7 + length]
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        payload = data[pos + 7:pos + 7 + length]
+        if len(payload) < length or zlib.crc32(bytes([kind]) + payload) != crc:
+            break  # the tail being written
+        buf += payload
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             rec = pb.Record()
             rec.ParseFromString(buf)
             buf = b""
-            if rec.WhichOneof("record_type") == "history":
+            kind_of = rec.WhichOneof("record_type")
+            exited = exited or kind_of == "exit"
+            if kind_of == "history":
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-    return rows
+    return rows, exited
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
@@ -91,7 +100,12 @@ async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job
     rec, steps, data_dir, client = await _run_job(services, nats_url, tmp_path, spec, job_id, wandb_dir=wandb_dir)
     if wandb_dir is not None:
         # the offline run, named after the job, holds every step's learner metrics
-        history = wandb_history(wandb_dir, job_id)
+        for _ in range(120):  # wandb's service closes the file after finish() returns
+            history, exited = wandb_history(wandb_dir, job_id)
+            if exited:
+                break
+            await asyncio.sleep(0.5)
+        assert exited, f"the wandb run of {job_id} has no exit record after 60 s"
         train = {int(h["_step"]): h for h in history if "train/reward_mean" in h}
         assert sorted(train) == [0, 1]
         assert all({"train/loss", "train/kl", "train/policy_lag_mean", "train/tokens_per_s"} <= h.keys()
