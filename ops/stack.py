@@ -11,6 +11,10 @@ Every child is stopped by its own PID. Each child gets OMP_NUM_THREADS and
 MKL_NUM_THREADS by services.core.config.thread_count: 1 for the scheduler, envhost and
 recorder, the libraries' defaults for the learner and rollout worker, unless
 OPENTINKER_<SERVICE>_THREADS, a `threads=N` override or OPENTINKER_THREADS says otherwise.
+Several rollout workers on this host (`rollout_workers=M`) split its cores between
+them (`core_share`): each gets its share as its thread count and, for vLLM, as its
+OpenMP binding (VLLM_CPU_OMP_THREADS_BIND), unless those are set; vLLM's default
+binding would put every worker's threads on the same cores.
 
 `cluster=N` (`opentinker up --cluster 3`) runs N nats-servers as one cluster instead
 (nats_server.NatsCluster: routes on loopback, one auth folder) and every service with
@@ -99,18 +103,25 @@ class Stack:
         return path
 
     def child_env(self, name: str) -> dict[str, str]:
-        """The environment service `name` is started with: this process's, the stack's
-        NATS and home, and its thread count (config.thread_count; a `threads=N` in its
-        overrides counts as configured). Raises ValueError for a bad thread count."""
+        """The environment service `name` (`rollout-2`: the second rollout worker) is
+        started with: this process's, the stack's NATS and home, and its thread count
+        (config.thread_count; a `threads=N` in its overrides counts as configured; with
+        several rollout workers, a worker's share of the cores by default). Raises
+        ValueError for a bad thread count."""
+        service, _, nth = name.partition("-")
         env = dict(os.environ, NATS_URL=self.nats_url or "", OPENTINKER_HOME=str(self.home),
                    PYTHONUNBUFFERED="1")
         if self.cluster:
             env["OPENTINKER_NATS_REPLICAS"] = str(min(self.cluster, 3))
-        configured = [o.partition("=")[2] for o in self.overrides.get(name, []) if o.startswith("threads=")]
+        configured = [o.partition("=")[2] for o in self.overrides.get(service, []) if o.startswith("threads=")]
         try:
-            n = thread_count(name, env, int(configured[-1]) if configured else 0)
+            n = thread_count(service, env, int(configured[-1]) if configured else 0)
         except ValueError as e:  # int() of a bad override, or a bad count
-            raise ValueError(f"{name}: bad thread count: {e}") from None
+            raise ValueError(f"{service}: bad thread count: {e}") from None
+        if service == "rollout" and self.rollout_workers > 1:
+            cores = core_share(sorted(os.sched_getaffinity(0)), int(nth or 1) - 1, self.rollout_workers)
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+            n = n or len(cores)
         env.update(thread_env(n))
         return env
 
@@ -118,7 +129,7 @@ class Stack:
         """Start (or restart) service `name` (`rollout-2`: a second rollout worker) as a
         child process logging to <home>/logs/<name>.log."""
         service = name.partition("-")[0]
-        env = self.child_env(service)
+        env = self.child_env(name)
         if name == "scheduler" and not (env.get("OPENTINKER_ADMIN_KEY") or env.get("OPENTINKER_ADMIN_KEY_FILE")):
             env["OPENTINKER_ADMIN_KEY_FILE"] = str(self.admin_key_file())
         if self.server is not None and self.server.auth:
@@ -175,6 +186,14 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def core_share(cores: list[int], index: int, count: int) -> list[int]:
+    """Worker `index` (0-based) of `count` workers' share of `cores`: contiguous, nearly
+    equal slices; with more workers than cores, one core each, in turn. Pure."""
+    if count >= len(cores):
+        return [cores[index % len(cores)]]
+    return cores[index * len(cores) // count:(index + 1) * len(cores) // count]
 
 
 def _port_free(port: int) -> bool:

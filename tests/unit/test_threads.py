@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from opentinker.ops.stack import SERVICES, Stack
+from opentinker.ops.stack import SERVICES, Stack, core_share
 from opentinker.services.core.config import LIGHT_SERVICES, THREAD_ENV_VARS, thread_count, thread_env
 
 HEAVY = ("learner", "rollout")
@@ -95,3 +95,22 @@ def test_stack_starts_more_rollout_workers_under_their_own_ids(tmp_path):
     assert len(ids) == 3 and all(i.startswith("rollout") for i in ids)
     with pytest.raises(ValueError, match="rollout_workers"):
         Stack(tmp_path, rollout_workers=0)
+
+
+def test_rollout_workers_on_one_host_split_its_cores(tmp_path, monkeypatch):
+    assert [core_share(list(range(8)), i, 3) for i in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert [core_share([0, 1], i, 3) for i in range(3)] == [[0], [1], [0]]
+    assert core_share([4, 5], 0, 1) == [4, 5]
+    for var in (*THREAD_ENV_VARS, "OPENTINKER_THREADS", "OPENTINKER_ROLLOUT_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    stack = Stack(tmp_path, nats_url="nats://127.0.0.1:1", rollout_workers=2)
+    one, two = stack.child_env("rollout"), stack.child_env("rollout-2")
+    assert (one["VLLM_CPU_OMP_THREADS_BIND"], two["VLLM_CPU_OMP_THREADS_BIND"]) == ("0,1", "2,3")
+    assert one["OMP_NUM_THREADS"] == two["OMP_NUM_THREADS"] == "2"
+    # a single worker keeps vLLM's own binding; what the operator sets wins
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in Stack(tmp_path, nats_url="nats://127.0.0.1:1").child_env("rollout")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setenv("OPENTINKER_ROLLOUT_THREADS", "4")
+    two = stack.child_env("rollout-2")
+    assert two["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and two["OMP_NUM_THREADS"] == "4"
