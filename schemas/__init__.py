@@ -1,6 +1,6 @@
-"""Every message on the OpenTinker bus, as msgspec Structs (MessagePack on the wire),
-and the environment API. Imports only msgspec and the standard library, so clients
-depend on it freely.
+"""Every message on the OpenTinker bus, as msgspec Structs (MessagePack on the wire).
+Imports only msgspec and the standard library, so clients depend on it freely. (The
+environment API users implement is `opentinker.environment.base_game`.)
 
     base.py        the message base class and bounded integer types
     codec.py       encode / typed decode
@@ -10,7 +10,6 @@ depend on it freely.
     weights.py     weight events (a policy version and where its bytes are)
     metrics.py     one record per training or evaluation step
     env.py         envhost request/reply messages
-    game.py        the environment API users implement: AbstractGame, StepResult
     stats.py       episode statistics, policy lag, derived seeds: each defined once
     pool.py        workers and placements
     users.py       users and API keys as stored

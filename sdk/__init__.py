@@ -6,13 +6,13 @@
     infer.py         run a base model, an adapter or a job's policy on an environment
     wandb_bridge.py  a job's metrics and rollout figures to a wandb run
 
-The environment API (AbstractGame, StepResult) lives in `opentinker.schemas.game`, the
-one module that users' environments and the envhost service both import; it is
-re-exported here. Imports schemas, the bus and the config only: never torch, vLLM or a
-server extra.
+The environment API (AbstractGame, StepResult) lives in
+`opentinker.environment.base_game` (OpenTinker's own import path), the one module that
+users' environments and the envhost service both import; it is re-exported here.
+Imports schemas, the bus and the config only: never torch, vLLM or a server extra.
 """
 
-from opentinker.schemas.game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.sdk.client import (
     AuthenticationError, Client, InferenceEndpoint, Job, JobFailed, SyncClient, SyncJob,
 )

@@ -1,4 +1,4 @@
-"""envhost: serves environments (opentinker.schemas.game.AbstractGame) over NATS
+"""envhost: serves environments (opentinker.environment.base_game.AbstractGame) over NATS
 request/reply.
 
     service.py  init / reset / step / close, one instance per episode, keyed by job

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from opentinker.schemas.job import ENV_NAME_RE
-from opentinker.schemas.game import AbstractGame
+from opentinker.environment.base_game import AbstractGame
 from opentinker.services.envhost.registry import BUILTIN
 
 
@@ -57,18 +57,34 @@ def load_class(spec: str, env_path: list[str] | None = None) -> type[AbstractGam
         raise EnvLoadError(f"--env {spec!r}: {module.__name__} has no attribute {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, AbstractGame)):
         raise EnvLoadError(f"--env {spec!r}: {attr} is not a subclass of "
-                           "opentinker.schemas.game.AbstractGame")
+                           "opentinker.environment.base_game.AbstractGame")
     return cls
 
 
 def env_name(cls: type[AbstractGame], override: str | None = None) -> str:
-    """The name an env is served under: `override` (`--name`) or the class's `name`.
+    """The name an env is served under: `override` (`--name`), else the class's
+    `get_interaction_name()` (the `name` attribute when set, else OpenTinker's default:
+    the class name lower-cased without "game"). The method is asked on an instance
+    made without `__init__` (names are constants or class-derived), else on `cls()`.
 
-    Raises EnvLoadError if it is empty or not [a-z0-9][a-z0-9_-]*.
+    Raises EnvLoadError if neither instance answers, or the name is empty or not
+    [a-z0-9][a-z0-9_-]*.
     """
-    name = override or getattr(cls, "name", "")
+    name = override
     if not name:
-        raise EnvLoadError(f"{cls.__qualname__}: set a class attribute `name = \"my-env\"` or pass --name")
+        errors = []
+        for make in (lambda: cls.__new__(cls), cls):
+            try:
+                name = make().get_interaction_name()
+                break
+            except Exception as e:  # user code: try the next way, then name it
+                errors.append(f"{type(e).__name__}: {e}")
+        else:
+            raise EnvLoadError(f"{cls.__qualname__}: get_interaction_name() failed ({'; '.join(errors)}); "
+                               "pass --name")
+    if not isinstance(name, str) or not name:
+        raise EnvLoadError(f"{cls.__qualname__}: no env name (get_interaction_name() gave {name!r}); "
+                           "set a class attribute `name = \"my-env\"` or pass --name")
     if not ENV_NAME_RE.match(name):
         raise EnvLoadError(f"{cls.__qualname__}: env name {name!r} must match {ENV_NAME_RE.pattern}")
     return name

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from opentinker.schemas.game import AbstractGame
+from opentinker.environment.base_game import AbstractGame
 from opentinker.services.envhost.envs.arith import ArithGame
 from opentinker.services.envhost.envs.bandit import BanditGame
 from opentinker.services.envhost.envs.code_math import CodeMathGame

@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import logging
 import os
+import random
 import secrets
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,7 +55,7 @@ from opentinker.schemas import (
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import ENV_NAME_RE
-from opentinker.schemas.game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.runner import run_service
@@ -90,26 +93,52 @@ def plain(obj: Any) -> Any:
     return msgspec.to_builtins(obj, enc_hook=fallback, str_keys=True)
 
 
+def _overrides(cls: type[AbstractGame], method: str) -> bool:
+    return getattr(cls, method) is not getattr(AbstractGame, method)
+
+
 def open_episode(cls: type[AbstractGame], env_args: dict[str, Any],
                  state: dict[str, Any]) -> tuple[AbstractGame, str, str, list[dict[str, Any]]]:
     """Construct the game and reset it. Returns (game, system_prompt, user_message,
-    tools); the first observation stands in for a game without an initial user message."""
+    tools). The user message: the class's `get_user_message_with_state(**state)` when it
+    overrides that (or `render_state_for_prompt`), asked before `reset` as OpenTinker
+    builds its prompts; else the initial user message and the first observation, either
+    one alone when the other is empty (OpenTinker's default rendering)."""
     game = cls(**env_args)
+    custom = _overrides(cls, "get_user_message_with_state") or _overrides(cls, "render_state_for_prompt")
+    user = game.get_user_message_with_state(**state) if custom else ""
     obs = game.reset(**state)
     system = game.get_system_prompt()
-    try:
-        user = game.get_initial_user_message()
-    except NotImplementedError:
-        user = obs
+    if not custom:
+        try:
+            first = game.get_initial_user_message()
+        except NotImplementedError:
+            first = ""
+        user = "\n\n".join(str(x) for x in (first, obs) if x)
     tools = game.get_tools() or []
     if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
         raise TypeError("get_tools must return a list of dicts (OpenAI-style function schemas)")
     return game, str(system or ""), str(user or ""), plain(tools)
 
 
+# generate_initial_state() without arguments draws from Python's global `random`, which
+# the envhost seeds with the group's seed first; one such call at a time.
+_GLOBAL_RANDOM = threading.Lock()
+
+
 def initial_state(cls: type[AbstractGame], env_args: dict[str, Any], seed: int,
                   split: str) -> dict[str, Any]:
-    state = cls(**env_args).generate_initial_state(seed=seed, split=split)
+    """The state `reset` gets for a group: the seeded form `generate_initial_state(seed,
+    split)` (split only when the method takes it), else OpenTinker's form: `random.seed(seed)`
+    then `generate_initial_state()`. Raises TypeError unless the state is a dict."""
+    make = cls(**env_args).generate_initial_state
+    params = inspect.signature(make).parameters
+    if "seed" in params:
+        state = make(seed=seed, split=split) if "split" in params else make(seed=seed)
+    else:
+        with _GLOBAL_RANDOM:
+            random.seed(seed)
+            state = make()
     if not isinstance(state, dict):
         raise TypeError(f"generate_initial_state must return a dict, got {type(state).__name__}")
     return plain(state)
@@ -257,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                         "default: every built-in)")
     p.add_argument("--env-path", action="append", default=[], metavar="DIR",
                    help="extra folder to import --env modules from (repeatable)")
-    p.add_argument("--name", help="serve a single --env under this name instead of its class's `name`")
+    p.add_argument("--name", help="serve a single --env under this name instead of its get_interaction_name()")
     args, rest = p.parse_known_args(argv)
     try:
         envs = load_envs(args.env, args.env_path, args.name)

@@ -4,6 +4,7 @@ rewards it should; periodic evaluation, turn-level credit, a user env that raise
 and inference on the trained policy."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,44 @@ async def test_env_that_raises_in_step_ends_that_episode_and_the_job_goes_on(ser
     assert all("KeyError" in ep["error"] and "the user's env has a bug" in ep["error"] for ep in broken)
     assert all(ep["reward"] == 0.0 for ep in broken)
     assert all(ep["reward"] == 1.0 for ep in eps if not ep["error"])
+
+
+async def test_an_env_written_for_opentinker_trains_unchanged(services, nats_url, tmp_path, tiny_model, job_id):
+    """tests/fixtures/seed_envs.py, served from its file: no `name`, argument-free
+    generate_initial_state, OpenTinker's prompt hooks. Each group shares one state, and
+    the prompts hold the state as OpenTinker renders it."""
+    from transformers import AutoTokenizer
+
+    data_dir = tmp_path / "log"
+    fixture = FIXTURES / "seed_envs.py"
+    start_stack(services, data_dir, ["--env", f"{fixture}:NimGame", "--env", f"{fixture}:SumGame"])
+    jobs = {"nim": spec(tiny_model, "nim", env_args={"max_pile": 7},
+                        sampling={"max_new_tokens": 4, "max_turns": 3, "max_total_tokens": 1024}),
+            "seed_sum": spec(tiny_model, "seed_sum")}
+    async with await Client.connect(nats_url) as client:
+        handles = {env: await submit_when_ready(client, s, f"{job_id}-{env.replace('_', '-')}")
+                   for env, s in jobs.items()}
+        for env, h in handles.items():
+            assert [m.step for m in await follow(h, 600, services) if m.split == "train"] == [0, 1], env
+            rec = await h.wait(timeout_s=30, raise_on_failure=False)
+            assert rec.state == JobState.COMPLETED, (env, rec, services.logs())
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for env, h in handles.items():
+        await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}'", 8)
+        cols, rows = run_query(f"SELECT step, group_index, token_ids, prompt_len, env_info, turns "
+                               f"FROM trajectories WHERE job_id = '{h.id}'", str(data_dir))
+        eps = [dict(zip(cols, r)) for r in rows]
+        assert len(eps) == 8 and all(ep["turns"] for ep in eps)
+        prompts: dict[tuple, set] = {}
+        for ep in eps:
+            text = tok.decode(ep["token_ids"][:ep["prompt_len"]])
+            prompts.setdefault((ep["step"], ep["group_index"]), set()).add(text)
+            info = json.loads(ep["env_info"])
+            if env == "nim":  # default rendering: the initial message, then reset's observation
+                pile = int(re.search(r"Your move\.\n\nThere are (\d+) stones in the pile\.", text).group(1))
+                assert 4 <= pile <= 7 and "You are playing Nim" in text
+                assert info["pile"] < pile or not info["valid"]
+            else:  # get_user_message_with_state, from the group's state
+                assert f"What is {info['a']} + {info['b']}?" in text and "Add the numbers" not in text
+        assert all(len(texts) == 1 for texts in prompts.values()), prompts  # a group shares its state
+        assert len(prompts) == 4

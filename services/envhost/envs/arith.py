@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from opentinker.schemas.game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.envhost.envs.answers import first_number, same_number
 
 OPS = ("add", "mul", "max")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from opentinker.schemas.game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.envhost.envs.answers import first_number
 
 REWARD_MODES = ("sample", "expected")

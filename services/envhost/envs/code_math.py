@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from opentinker.schemas.game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.envhost import sandbox
 from opentinker.services.envhost.envs import gsm8k
 from opentinker.services.envhost.envs.answers import verify_answer
@@ -124,7 +124,6 @@ class CodeMathGame(AbstractGame):
     """
 
     name = "code-math"
-    multi_turn = True
 
     def __init__(self, source: str = "gsm8k", data_dir: str | None = None,
                  split: str | None = None, digits: int = 3, max_tool_calls: int = 4,

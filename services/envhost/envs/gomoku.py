@@ -26,7 +26,7 @@ import math
 import re
 from typing import Any
 
-from opentinker.schemas.game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult
 
 EMPTY, MODEL, OPPONENT = ".", "X", "O"
 OPPONENTS = ("random", "greedy", "strong")
@@ -226,7 +226,6 @@ class GomokuGame(AbstractGame):
     """
 
     name = "gomoku"
-    multi_turn = True
 
     def __init__(self, size: int = 9, win_length: int = 5, opponent: str = "random",
                  first: str = "model", opening: int = 0, illegal: str = "retry",

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from opentinker.schemas.game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.core.config import default_home
 from opentinker.services.envhost.envs.answers import verify_answer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.schemas.game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.envhost.envs.answers import first_number
 
 
@@ -22,7 +22,6 @@ class GuessNumberGame(AbstractGame):
     """
 
     name = "guess-number"
-    multi_turn = True
 
     def __init__(self, n: int = 16, max_turns: int = 6):
         super().__init__(n=n, max_turns=max_turns)

@@ -1,0 +1,124 @@
+"""The environment API a user implements: OpenTinker's AbstractGame and StepResult.
+
+An environment is the user's only code: the same class drives training, evaluation
+and inference. It is served by `opentinker envhost --env my_module:MyGame`. A class
+written for OpenTinker (`from opentinker.environment.base_game import AbstractGame,
+StepResult`) runs unchanged:
+
+    class MyGame(AbstractGame):
+        def reset(self, **kwargs) -> str: ...              # first observation
+        def step(self, action: str) -> StepResult: ...     # one turn
+        def get_system_prompt(self) -> str: ...
+        def get_initial_user_message(self) -> str: ...
+        # optional
+        def generate_initial_state(self) -> dict: ...      # random.seed(group seed) first
+        def render_state_for_prompt(self, **state) -> str: ...
+        def get_user_message_with_state(self, **state) -> str: ...
+        def get_interaction_name(self) -> str: ...         # default: "my" for MyGame
+        def get_tools(self) -> list[dict]: ...             # tools the model may call
+
+`__init__(**env_args)` receives the job's `env_args`. One instance serves one episode.
+
+How the envhost drives a class, per GRPO group and episode:
+
+- The group's state: `generate_initial_state(seed, split)` when the method takes a
+  `seed` (the seeded form, which can keep train and test problems apart); otherwise
+  Python's `random` is seeded with the group's seed and `generate_initial_state()` is
+  called with no arguments, as OpenTinker's data generator does. Either way a group
+  seed always gives the same state.
+- An episode: `reset(**state)`, then the first user message. A class that overrides
+  `get_user_message_with_state` (or `render_state_for_prompt`) gets its own message,
+  asked before `reset` as OpenTinker builds its prompts; otherwise the message is
+  `get_initial_user_message()` followed by the first observation when there is one
+  (OpenTinker's default rendering, with `reset`'s output as the rendered state).
+- Its name: `get_interaction_name()`; a class attribute `name` or `--name` sets it too.
+
+Tool use: an env that returns OpenAI-style function schemas from `get_tools()` has
+them rendered by the model's chat template when the template defines tools (and its
+observations sent back as `tool` messages); with a template that does not, the env's
+own system prompt describes the format (e.g. a fenced code block). `step` parses
+either from the action text.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepResult:
+    """What `step` returns. `reward` is this turn's reward; `done` ends the episode."""
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class AbstractGame:
+    """Base class for environments (see the module docstring for how it is driven).
+
+    Required overrides: `reset`, `step`, `get_system_prompt` (default ""),
+    `get_initial_user_message` (without it the first observation stands in).
+    """
+
+    #: the served name ([a-z0-9][a-z0-9_-]*); empty: get_interaction_name()'s default
+    name: str = ""
+
+    def __init__(self, **env_args: Any):
+        self.env_args = env_args
+
+    def generate_initial_state(self, seed: int, split: str = "train") -> dict[str, Any]:
+        """The kwargs for `reset` shared by one GRPO group (the seeded form). Default:
+        just the seed. A subclass may instead define `generate_initial_state(self)`
+        and draw from Python's `random`, which the envhost seeds with the group's seed."""
+        return {"seed": seed}
+
+    def reset(self, **state: Any) -> str:
+        """Start an episode from `state`; returns the first observation (may be "")."""
+        raise NotImplementedError
+
+    def step(self, action: str) -> StepResult:
+        """Apply the model's `action` text; returns observation, reward, done, info."""
+        raise NotImplementedError
+
+    def get_system_prompt(self) -> str:
+        return ""
+
+    def get_initial_user_message(self) -> str:
+        raise NotImplementedError
+
+    def render_state_for_prompt(self, **state: Any) -> str:
+        """The initial state as prompt text. Default (OpenTinker's): `reset(**state)`."""
+        return self.reset(**state)
+
+    def get_user_message_with_state(self, **state: Any) -> str:
+        """The first user message for `state`. Default (OpenTinker's): the initial user
+        message, a blank line, the rendered state."""
+        return f"{self.get_initial_user_message()}\n\n{self.render_state_for_prompt(**state)}"
+
+    def get_tools(self) -> list[dict[str, Any]]:
+        """Tools the model may call, as OpenAI-style function schemas
+        (`{"type": "function", "function": {"name", "description", "parameters"}}`).
+        Default: none."""
+        return []
+
+    def get_state(self) -> dict[str, Any]:
+        """The current game state, for debugging and display. Default: {}."""
+        return {}
+
+    def get_interaction_name(self) -> str:
+        """The name the env is served under: the class attribute `name` when set, else
+        OpenTinker's default, the class name lower-cased without "game"."""
+        return self.name or type(self).__name__.lower().replace("game", "")
+
+    def parse_action(self, raw_action: str) -> Any:
+        """The action in the model's raw text (None if it has none). Default: the text."""
+        return raw_action
+
+    @staticmethod
+    def rng(seed: Any) -> random.Random:
+        """A private random generator for `seed` (an int or a string)."""
+        return random.Random(seed)
