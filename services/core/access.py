@@ -36,7 +36,7 @@ from opentinker.schemas.job import JOB_ID_RE, SpecError
 from opentinker.schemas.users import User
 from opentinker.services.core.models import DEFAULT_MODEL
 
-# the scheduler's user-name rule (services/scheduler/users.py USER_RE): a name becomes a
+# the scheduler's user-name rule (services/core/users.py USER_RE): a name becomes a
 # folder name here
 USER_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # `org/name` on the Hugging Face hub; a token never starts with "." so it is never "." or ".."

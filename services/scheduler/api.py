@@ -1,7 +1,7 @@
 """The REST API and web dashboard, served by the scheduler process (FastAPI + uvicorn
 in the scheduler's event loop).
 
-Every /v1 route except /v1/health needs `Authorization: Bearer <API key>` (users.py).
+Every /v1 route except /v1/health needs `Authorization: Bearer <API key>` (core/users.py).
 A user sees and acts on their own jobs only (an admin on every job); another user's job
 answers 404, as a job that does not exist. Errors are JSON `{"detail": {"error": ...,
 "field": ...}}` with 401 (no valid key), 403 (not allowed), 404, 409 (conflict) or 422
@@ -32,7 +32,7 @@ from opentinker.schemas.users import User
 from opentinker.services.core.http import serve_http
 from opentinker.services.core.pool import live_workers
 from opentinker.services.scheduler.placement import current_load, holders
-from opentinker.services.scheduler.users import USER_RE, AuthError, UserError
+from opentinker.services.core.users import USER_RE, AuthError, UserError
 
 if TYPE_CHECKING:
     from opentinker.services.scheduler.service import Scheduler

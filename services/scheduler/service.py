@@ -59,7 +59,7 @@ from opentinker.services.core.pool import live_workers
 from opentinker.services.core.runner import run_service
 from opentinker.schemas.users import User
 from opentinker.services.scheduler.placement import Quota, holders, lost_workers, plan, without_lost_rollout
-from opentinker.services.scheduler.users import AuthError, Users
+from opentinker.services.core.users import AuthError, Users
 
 log = logging.getLogger("opentinker.scheduler")
 SERVICE = "scheduler"
@@ -166,7 +166,7 @@ class Scheduler:
         user's unfinished ones and those finished in the last GRANT_FINISHED_S, in any
         pool. Raises PermissionError with the reason (a wrong, revoked or missing key)."""
         from opentinker.services.core.natsauth import GRANT_FINISHED_S
-        from opentinker.services.scheduler.users import key_id
+        from opentinker.services.core.users import key_id
 
         try:
             user = await self.users.authenticate(token)

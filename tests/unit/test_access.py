@@ -129,7 +129,7 @@ def test_spec_paths_name_the_field(home):
 
 
 def test_user_names_are_checked_before_they_become_folders(home):
-    from opentinker.services.scheduler.users import USER_RE as SCHEDULER_USER_RE
+    from opentinker.services.core.users import USER_RE as SCHEDULER_USER_RE
 
     assert USER_RE.pattern == SCHEDULER_USER_RE.pattern
     for bad in ("", "..", "a/b", "Alice"):
