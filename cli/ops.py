@@ -28,6 +28,8 @@ def cmd_up(args: argparse.Namespace) -> int:
           + (f", {stack.cluster} nodes, {min(stack.cluster, 3)} replicas)" if stack.cluster else ")"))
     if stack.api_url:
         print(f"  REST API and dashboard {stack.api_url} (admin key in {stack.home / 'admin.key'})")
+    if stack.tinker_url:
+        print(f"  Tinker API {stack.tinker_url} (TINKER_BASE_URL; TINKER_API_KEY=tml-<your API key>)")
     for name, p in stack.procs.items():
         print(f"  {name:<10} pid {p.pid:<8} log {stack.log_dir / (name + '.log')}")
     print("Ctrl-C stops everything.", flush=True)

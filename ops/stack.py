@@ -8,8 +8,8 @@ OPENTINKER_ADMIN_KEY(_FILE) names one, and the NATS keys in `<home>/nats/auth/` 
 for API-key users (services/core/natsauth.py). The CLI and SDK on this machine use the
 stack's service nkey (its owner runs the stack); other users connect with an API key.
 Every child is stopped by its own PID. Each child gets OMP_NUM_THREADS and
-MKL_NUM_THREADS by services.core.config.thread_count: 1 for the scheduler, envhost and
-recorder, the libraries' defaults for the learner and rollout worker, unless
+MKL_NUM_THREADS by services.core.config.thread_count: 1 for the scheduler, envhost,
+recorder and tinker API, the libraries' defaults for the learner and rollout worker, unless
 OPENTINKER_<SERVICE>_THREADS, a `threads=N` override or OPENTINKER_THREADS says otherwise.
 Several rollout workers on this host (`rollout_workers=M`) split its cores between
 them (`core_share`): each gets its share as its thread count and, for vLLM, as its
@@ -35,9 +35,10 @@ from pathlib import Path
 from opentinker.services.core.config import thread_count, thread_env
 from opentinker.services.core.nats_server import NatsCluster, NatsServer, free_port
 
-SERVICES = ("scheduler", "envhost", "recorder", "rollout", "learner")
+SERVICES = ("scheduler", "envhost", "recorder", "rollout", "learner", "tinker")
 DEFAULT_PORT = 4222
 DEFAULT_API_PORT = 8470
+DEFAULT_TINKER_PORT = 8471
 
 
 class Stack:
@@ -61,6 +62,7 @@ class Stack:
         self.server: NatsServer | NatsCluster | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.api_url = ""
+        self.tinker_url = ""  # the Tinker API (TINKER_BASE_URL)
 
     def start(self) -> Stack:
         """Start everything; raises RuntimeError if nats-server or a service dies at once."""
@@ -78,6 +80,10 @@ class Stack:
             api_port = DEFAULT_API_PORT if _port_free(DEFAULT_API_PORT) else free_port()
             self.overrides.setdefault("scheduler", []).append(f"api_port={api_port}")
             self.api_url = f"http://127.0.0.1:{api_port}/"
+        if "tinker" in self.services and not any(o.startswith("tinker_port=") for o in self.overrides.get("tinker", [])):
+            port = DEFAULT_TINKER_PORT if _port_free(DEFAULT_TINKER_PORT) else free_port()
+            self.overrides.setdefault("tinker", []).append(f"tinker_port={port}")
+            self.tinker_url = f"http://127.0.0.1:{port}"
         for name in self.services:
             self.spawn(name)
             if name == "rollout":  # more rollout workers: rollout-2, rollout-3, ... (own ids and logs)
@@ -86,7 +92,7 @@ class Stack:
         time.sleep(1.0)
         self.check()
         (self.home / "stack.json").write_text(json.dumps(
-            {"nats_url": self.nats_url, "api_url": self.api_url,
+            {"nats_url": self.nats_url, "api_url": self.api_url, "tinker_url": self.tinker_url,
              "service_nkey": str(self.server.service_seed_file) if self.server else "",
              "pids": {n: p.pid for n, p in self.procs.items()}}))
         return self

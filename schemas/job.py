@@ -124,10 +124,15 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     view returning `token_ids` and `loss_mask`, e.g. "SELECT * FROM trajectories
     WHERE job_id = 'x' AND reward = 1"). Loss: mean negative log-likelihood of the
     loss-mask tokens.
+
+    Tinker (`algorithm = "tinker"`): a training session of the Tinker API
+    (services/tinker): no steps of its own; the learner executes the session's
+    operations (forward_backward, optim_step, saves) as they come, on one rank with
+    ZeRO 0, until the session closes. The API service submits these jobs.
     """
 
     name: str = ""
-    algorithm: Literal["grpo", "sft"] = "grpo"
+    algorithm: Literal["grpo", "sft", "tinker"] = "grpo"
     model: str = "smollm2-135m-instruct"
     lora_rank: Bounded(int, 0, 512, note="0 = full fine-tuning") = 8
     lora_alpha: Bounded(int, 1, 4096) = 16
@@ -305,6 +310,11 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
                "an SFT job needs exactly one of sft_data (a dataset file) or sft_query (SQL over the log)")
         _check(spec.learner_ranks == 1, "learner_ranks",
                f"an SFT job trains on one rank (got {spec.learner_ranks}); data parallel is for GRPO jobs")
+    if spec.algorithm == "tinker":
+        _check(spec.learner_ranks == 1, "learner_ranks",
+               f"a tinker session trains on one rank (got {spec.learner_ranks})")
+        _check(spec.zero_stage == 0, "zero_stage",
+               f"a tinker session accumulates gradients across calls without ZeRO (got {spec.zero_stage})")
     _check(spec.dual_clip == 0 or spec.dual_clip > 1, "dual_clip",
            f"must be 0 (off) or > 1 (got {spec.dual_clip!r}): the bound is c * |A| with c > 1, arXiv 1912.09729")
     if spec.algorithm == "grpo":

@@ -9,13 +9,16 @@
 | ot.job.<id>.traj                | OT_TRAJ     | rollout    | learner, recorder         |
 | ot.job.<id>.weights             | OT_WEIGHTS  | learner    | rollout, recorder, SDK    |
 | ot.job.<id>.metrics             | OT_METRICS  | learner    | recorder, SDK             |
+| ot.job.<id>.ops.<seq>           | OT_TINKER   | tinker API | the session's learner     |
+| ot.job.<id>.results.<seq>       | OT_TINKER   | learner    | tinker API                |
 | ot.env.<env>.init / .reset      | (req/reply) | rollout    | envhost (queue group)     |
 | ot.env.host.<host>.step/.close  | (req/reply) | rollout    | the envhost holding it    |
 | ot.dlq.<service>                | OT_DLQ      | any        | operators                 |
 
 KV buckets: `ot_jobs` (JobRecord by job id), `ot_workers` (WorkerInfo by
 `<pool>.<worker>`, entries expire WORKER_TTL_S after the last heartbeat), `ot_users`
-and `ot_keys` (users, and API keys stored as argon2 hashes). Rollout requests name
+and `ot_keys` (users, and API keys stored as argon2 hashes), `ot_tinker` (the tinker
+API's sessions by session id). Rollout requests name
 their worker in the subject: the scheduler places a job's rollouts on its workers, and
 each worker's durable consumer filters its own token, so work-queue consumers never
 overlap.
@@ -41,6 +44,7 @@ STREAM_TRAJ = "OT_TRAJ"
 STREAM_WEIGHTS = "OT_WEIGHTS"
 STREAM_METRICS = "OT_METRICS"
 STREAM_DLQ = "OT_DLQ"
+STREAM_TINKER = "OT_TINKER"
 
 # stream name -> (subjects, retention). "workqueue" removes a message once acked.
 STREAMS: dict[str, tuple[list[str], str]] = {
@@ -51,6 +55,7 @@ STREAMS: dict[str, tuple[list[str], str]] = {
     STREAM_WEIGHTS: (["ot.job.*.weights"], "limits"),
     STREAM_METRICS: (["ot.job.*.metrics"], "limits"),
     STREAM_DLQ: (["ot.dlq.>"], "limits"),
+    STREAM_TINKER: (["ot.job.*.ops.*", "ot.job.*.results.*"], "limits"),
 }
 
 
@@ -94,12 +99,17 @@ STREAM_LIMITS: dict[str, StreamLimits] = {
                                max_msgs_per_subject=1_000),
     STREAM_METRICS: StreamLimits(max_msg_size=256 * KIB, max_bytes=512 * MIB, max_age_s=14 * DAY_S),
     STREAM_DLQ: StreamLimits(max_msg_size=1 * MIB, max_bytes=256 * MIB, max_age_s=7 * DAY_S),
+    # a forward_backward op holds one chunk of the SDK's data (the API asks for chunks of
+    # at most TINKER_CHUNK_BYTES), its result the per-token logprobs
+    STREAM_TINKER: StreamLimits(max_msg_size=6 * MIB, max_bytes=512 * MIB, max_age_s=2 * DAY_S),
 }
+TINKER_CHUNK_BYTES = 4_000_000
 
 KV_JOBS = "ot_jobs"
 KV_WORKERS = "ot_workers"
 KV_USERS = "ot_users"
 KV_KEYS = "ot_keys"
+KV_TINKER = "ot_tinker"
 WORKER_TTL_S = 10.0       # a worker missing heartbeats this long is gone
 WORKER_HEARTBEAT_S = 2.0
 KV_MAX_VALUE_BYTES = 1 * MIB  # one value of any KV bucket (a JobRecord holds a spec of < 200 KiB)
@@ -158,6 +168,21 @@ def rollout_of_worker(worker_id: str) -> str:
     return f"ot.job.*.rollout.{check_worker_id(worker_id)}"
 
 
+def tinker_op(job_id: str, seq_id: int) -> str:
+    """`ot.job.<job>.ops.<seq_id>`: operation `seq_id` on a tinker session's model."""
+    return f"ot.job.{check_job_id(job_id)}.ops.{int(seq_id)}"
+
+
+def tinker_close(job_id: str) -> str:
+    """`ot.job.<job>.ops.close`: the session of a tinker job is over (schemas/tinker.py)."""
+    return f"ot.job.{check_job_id(job_id)}.ops.close"
+
+
+def tinker_result(job_id: str, seq_id: int) -> str:
+    """`ot.job.<job>.results.<seq_id>`: what operation `seq_id` gave (0: the session is ready)."""
+    return f"ot.job.{check_job_id(job_id)}.results.{int(seq_id)}"
+
+
 def worker_key(pool: str, worker_id: str) -> str:
     """The `ot_workers` KV key of a worker."""
     return f"{check_worker_id(pool)}.{check_worker_id(worker_id)}"
@@ -190,6 +215,11 @@ def rollout_durable(worker_id: str) -> Durable:
 def traj_durable(job_id: str) -> Durable:
     """A job's trajectories, read by the learner that trains it (one per job)."""
     return Durable(STREAM_TRAJ, f"learner-{check_job_id(job_id)}", job(job_id, "traj"))
+
+
+def tinker_ops_durable(job_id: str) -> Durable:
+    """A tinker session's operations, read by the learner that holds it (one per job)."""
+    return Durable(STREAM_TINKER, f"learner-ops-{check_job_id(job_id)}", f"ot.job.{job_id}.ops.*")
 
 
 def scheduler_events_durable(pool: str) -> Durable:

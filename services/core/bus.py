@@ -56,7 +56,7 @@ DLQ_HEADERS = 32
 DLQ_HEADER_CHARS = 1024  # of each header's name and of its value
 DLQ_REASON_CHARS = 8192
 JS_STORAGE_EXHAUSTED = 10047  # JetStream's err_code: "insufficient storage resources available"
-KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS)
+KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS, S.KV_TINKER)
 
 # errors a NATS outage or a JetStream restart produces (the call may succeed later)
 TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.StaleConnectionError,

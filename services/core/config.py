@@ -50,6 +50,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_unfinished_jobs_per_user: int = 32  # scheduler: queued + running jobs of one user (admins: no limit)
     api_host: str = "127.0.0.1"   # the scheduler's REST API and dashboard
     api_port: int = 8470          # 0 = no REST API
+    # the tinker service's Tinker API (TINKER_BASE_URL = http://<tinker_host>:<port>);
+    # 0 = a free port (written to <home>/tinker.json)
+    tinker_host: str = "127.0.0.1"
+    tinker_port: int = 8471
     # the auth callout issuer's account nkey seed file (natsauth.py): the scheduler then
     # answers nats-server's auth callout, so users connect to NATS with their API key
     nats_callout_issuer_file: str = ""
@@ -148,7 +152,7 @@ def main_settings(service: str, argv: list[str] | None = None) -> Settings:
 # services without tensor math run 1 intra-op thread; the learner and rollout worker
 # keep the libraries' defaults (torch: one per physical core) unless told otherwise.
 
-LIGHT_SERVICES = frozenset({"scheduler", "recorder", "envhost"})  # the REST API runs in the scheduler
+LIGHT_SERVICES = frozenset({"scheduler", "recorder", "envhost", "tinker"})  # the REST API runs in the scheduler
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read by torch, numpy and Arrow when they start
 
 

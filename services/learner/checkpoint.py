@@ -25,6 +25,7 @@ import torch
 from nats.js.errors import ObjectNotFoundError
 
 from opentinker.schemas import subjects as S
+from opentinker.schemas.tinker import CHECKPOINT_NAME_RE
 from opentinker.services.core.bus import Bus
 
 FORMAT = 1
@@ -32,8 +33,14 @@ FORMAT = 1
 SMALL_BYTES = 64 * 1024 * 1024
 
 
-def object_name(job_id: str) -> str:
-    return f"{S.check_job_id(job_id)}/latest"
+def object_name(job_id: str, name: str = "") -> str:
+    """The job's latest checkpoint, or its checkpoint saved under `name` (a tinker
+    session's save_state; schemas.tinker.CHECKPOINT_NAME_RE)."""
+    if not name:
+        return f"{S.check_job_id(job_id)}/latest"
+    if not CHECKPOINT_NAME_RE.match(name):
+        raise ValueError(f"checkpoint name {name!r} must match {CHECKPOINT_NAME_RE.pattern}")
+    return f"{S.check_job_id(job_id)}/named/{name}"
 
 
 def job_dir(home: str | Path, job_id: str) -> Path:
@@ -119,13 +126,14 @@ def prune(home: str | Path, job_id: str, keep_step: int) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-async def put(bus: Bus, job_id: str, data: bytes) -> None:
-    await bus.put_object(S.OBJ_CHECKPOINTS, object_name(job_id), data)
+async def put(bus: Bus, job_id: str, data: bytes, name: str = "") -> None:
+    await bus.put_object(S.OBJ_CHECKPOINTS, object_name(job_id, name), data)
 
 
-async def get(bus: Bus, job_id: str) -> bytes | None:
-    """The latest checkpoint object's bytes, or None when the job has none."""
+async def get(bus: Bus, job_id: str, name: str = "") -> bytes | None:
+    """The latest checkpoint object's bytes (the one saved as `name`), or None when the
+    job has none."""
     try:
-        return await bus.get_object(S.OBJ_CHECKPOINTS, object_name(job_id))
+        return await bus.get_object(S.OBJ_CHECKPOINTS, object_name(job_id, name))
     except ObjectNotFoundError:
         return None

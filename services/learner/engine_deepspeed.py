@@ -113,7 +113,8 @@ class TrainEngine:
             "train_micro_batch_size_per_gpu": spec.micro_batch_size,
             "gradient_accumulation_steps": 1,
             "train_batch_size": spec.micro_batch_size * self.world_size,
-            "gradient_clipping": spec.max_grad_norm,
+            # a tinker session clips by each optim_step's own grad_clip_norm (tinker_optim_step)
+            "gradient_clipping": 0.0 if spec.algorithm == "tinker" else spec.max_grad_norm,
             "zero_optimization": {"stage": spec.zero_stage},
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": spec.dtype == "bfloat16"},
@@ -357,6 +358,57 @@ class TrainEngine:
         self.engine.train()
         return {"loss": nll / max(total, 1.0), "tokens": total}
 
+    def tinker_pass(self, data: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]]], loss_fn: str,
+                    config: dict[str, float | str], backward: bool) -> tuple[list[torch.Tensor], dict[str, float]]:
+        """A tinker session's forward (`backward` False) or forward_backward: per datum,
+        the policy's logprob `lp` [N] of each target token, then its loss
+        (tinker_losses.datum_loss, a sum over tokens); with `backward`, the loss's
+        gradient is added to the accumulated one (no optimizer step: tinker_optim_step).
+
+        data: per datum (tokens [N] int64, inputs by name, each [N]: `target_tokens`
+        int64 and the loss's float32 arrays). Returns (lp per datum as float32 CPU
+        tensors [N], metrics summed over the datums: "loss" and the loss's own).
+        Raises tinker_losses.LossInputError for a bad loss or input.
+        """
+        from opentinker.services.learner.tinker_losses import datum_loss
+
+        out: list[torch.Tensor] = []
+        sums: dict[str, float] = {}
+        self.engine.train(backward)
+        with torch.set_grad_enabled(backward):
+            for tokens, inputs in data:
+                ids = tokens.to(self.device).unsqueeze(0)
+                inputs = {k: v.to(self.device) for k, v in inputs.items()}
+                logits = self.engine(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=0).logits[0]
+                lp, _ = selected_logprobs(logits, inputs["target_tokens"].long(), 1.0)
+                del logits
+                loss, metrics = datum_loss(loss_fn, lp, inputs, config)
+                if backward:
+                    self.engine.set_gradient_accumulation_boundary(False)
+                    self.engine.backward(loss, scale_wrt_gas=False)
+                    self.engine.step()  # not at a boundary: DeepSpeed counts the micro-step only
+                out.append(lp.detach().float().cpu())
+                for k, v in metrics.items():  # "loss" among them
+                    sums[k] = sums.get(k, 0.0) + v
+        self.engine.train()
+        return out, sums
+
+    def tinker_optim_step(self, learning_rate: float, beta1: float, beta2: float, eps: float,
+                          weight_decay: float, grad_clip_norm: float) -> dict[str, float]:
+        """One AdamW step on the gradient accumulated since the last one (Tinker's
+        optim_step: torch.optim.AdamW with these hyperparameters, decoupled weight
+        decay; the gradient's global norm clipped to `grad_clip_norm` first when it is
+        > 0), then the gradient is cleared. Returns grad_norm (before clipping)."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = self._grad_norm()
+        if grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip_norm)
+        for group in self.engine.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()
+        return {"grad_norm": norm}
+
     def _grad_norm(self) -> float:
         # ZeRO 1-3 report the norm themselves after the step; stage 0 leaves it in .grad
         sq = 0.0
@@ -415,8 +467,9 @@ class TrainEngine:
                 state["module"] = {k: v for k, v in module.items() if k in trainable}
                 torch.save(state, path)
 
-    def load_state(self, directory: str | Path) -> None:
-        """Restore what `save_state` wrote, on any number of ranks: state saved by another
+    def load_state(self, directory: str | Path, optimizer: bool = True) -> None:
+        """Restore what `save_state` wrote (the optimizer state too unless `optimizer` is
+        False), on any number of ranks: state saved by another
         number of ranks with per-rank optimizer partitions (ZeRO 1-3) is first
         converted to DeepSpeed's universal checkpoint (`ds_to_universal`, by rank 0 in
         `directory/universal`), which loads on any data-parallel degree (Lian et al.
@@ -443,15 +496,15 @@ class TrainEngine:
                 torch.distributed.barrier()
             self.engine._config.load_universal_checkpoint = True  # the engine reads its config at load
             try:
-                self._load(universal)
+                self._load(universal, optimizer)
             finally:
                 self.engine._config.load_universal_checkpoint = False
             return
-        self._load(directory)
+        self._load(directory, optimizer)
 
-    def _load(self, directory: Path) -> None:
+    def _load(self, directory: Path, optimizer: bool = True) -> None:
         path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=False,
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+                                              load_optimizer_states=optimizer, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint under {directory}")
 

@@ -117,7 +117,11 @@ async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
         from opentinker.services.learner.sft import SFTRun
 
         run_cls = SFTRun
-    if assigned.spec.algorithm != "sft" and not assigned.rollout_workers:
+    elif assigned.spec.algorithm == "tinker":
+        from opentinker.services.learner.tinker_run import TinkerRun
+
+        run_cls = TinkerRun
+    elif not assigned.rollout_workers:
         await bus.dead_letter(m, "JobAssigned.rollout_workers: a GRPO job needs at least one rollout worker")
         await m.term()
         return

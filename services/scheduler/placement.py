@@ -34,7 +34,7 @@ class Quota:
 
 def rollout_needed(rec: JobRecord) -> int:
     """Rollout workers a job holds: `spec.rollout_workers`, none for SFT (no sampling)."""
-    return 0 if rec.kind == "train" and rec.spec.algorithm == "sft" else rec.spec.rollout_workers
+    return 0 if rec.kind == "train" and rec.spec.algorithm in ("sft", "tinker") else rec.spec.rollout_workers
 
 
 def workers_needed(rec: JobRecord) -> int:

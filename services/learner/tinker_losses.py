@@ -1,0 +1,225 @@
+"""Tinker's built-in losses (`forward_backward(data, loss_fn, loss_fn_config)`) on one
+datum: the learner's token logprobs and the datum's `loss_fn_inputs` -> a summed loss
+and its metrics. Pure: no I/O, no model; the caller computes the logprobs.
+
+Shapes: N is the datum's model-input length. Every input is [N] and aligned with the
+targets: position i predicts target_tokens[i]. `lp` [N] float32 is the current
+policy's logprob of target_tokens[i], with gradient; `q` is the `logprobs` input (the
+sampler's logprob of the same token), A the `advantages` input, r = exp(lp - q).
+
+    cross_entropy        L = -sum_i lp_i * w_i                  (w may be negative)
+    importance_sampling  L = -sum_i r_i * A_i
+    ppo                  L = -sum_i min(r_i * A_i, clip(r_i, low, high) * A_i)
+    cispo                L = -sum_i sg(clip(r_i, low, high)) * lp_i * A_i
+    dro                  L = -sum_i (lp_i * A_i - 0.5 * beta * (lp_i - q_i)^2)
+
+Losses are sums over tokens, not means, as in Tinker. `low`/`high` are the ratio
+bounds themselves (config keys clip_low_threshold / clip_high_threshold, e.g. 0.8 and
+1.2), not epsilons. Defaults: ppo 0.8 / 1.2 ("epsilon fixed to 0.2"), cispo 0.0 / 4.0
+(a one-sided clip, per Tinker's CISPO page); dro's beta has no documented default, so
+it is required. Per-token bounds may also come as [N] loss_fn_inputs arrays (the SDK's
+datum.py lists clip_low_threshold / clip_high_threshold as input keys); an array wins
+over the config value of the same name.
+
+Sources: Tinker docs, https://tinker-docs.thinkingmachines.ai/losses and the per-loss
+pages under https://tinker-docs.thinkingmachines.ai/tinker/losses/ (ppo, cispo, dro);
+PPO: Schulman et al. 2017, arXiv 1707.06347 eq. 7; CISPO: MiniMax-M1, arXiv 2506.13585
+eq. 4; DRO: Richemond et al. 2024, arXiv 2405.19107 (and Kimi k1.5, arXiv 2501.12599).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": _RL_INPUTS,
+    "ppo": _RL_INPUTS,
+    "cispo": _RL_INPUTS,
+    "dro": _RL_INPUTS,
+}
+
+CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
+# Tinker's own RL example Datum carries `weights` beside the RL inputs, yet none of the
+# RL formulas reads it: accepted and ignored, as Tinker does.
+OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": ("weights",),
+    "ppo": ("weights", *CLIP_KEYS),
+    "cispo": ("weights", *CLIP_KEYS),
+    "dro": ("weights",),
+}
+
+CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": CLIP_KEYS,
+    "cispo": CLIP_KEYS,
+    "dro": ("beta",),
+}
+
+# (clip_low_threshold, clip_high_threshold) when neither config nor inputs give one.
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+
+
+class LossInputError(ValueError):
+    """A forward_backward request the losses cannot take: an unsupported loss_fn, a
+    missing, unknown or ill-shaped loss_fn_inputs entry, or a bad loss_fn_config key
+    or value. The message names the field."""
+
+
+def check_inputs(loss_fn: str, inputs: Mapping[str, np.ndarray], n_tokens: int,
+                 config: Mapping[str, float | str] | None = None) -> None:
+    """Validate one datum's request before any torch work, so the front end can refuse it.
+
+    inputs: loss_fn_inputs, each array-like of shape [n_tokens]; target_tokens integer,
+    the others real and finite. n_tokens: the datum's model-input length N.
+    config: loss_fn_config (None for none).
+    Raises LossInputError naming the loss, input or config key at fault: loss_fn not in
+    LOSS_FNS; an input missing, not in REQUIRED_INPUTS + OPTIONAL_INPUTS, not 1-D of
+    length n_tokens, of the wrong kind or non-finite; target_tokens negative; a config
+    key the loss does not take, a value that is not a finite number, dro without beta
+    or with beta < 0; a clip_low_threshold above its clip_high_threshold.
+    """
+    cfg = _checked_config(loss_fn, config)
+    _check_keys_and_shapes(loss_fn, {key: np.shape(value) for key, value in inputs.items()}, n_tokens)
+    arrays = {key: np.asarray(value) for key, value in inputs.items()}
+    for key, array in arrays.items():
+        if key == "target_tokens":
+            if array.dtype.kind not in "iu":
+                raise LossInputError(f"loss_fn_inputs['target_tokens']: dtype {array.dtype} is not an integer type")
+            if array.size and array.min() < 0:
+                raise LossInputError("loss_fn_inputs['target_tokens']: token ids must be >= 0")
+        elif array.dtype.kind not in "iuf":
+            raise LossInputError(f"loss_fn_inputs[{key!r}]: dtype {array.dtype} is not a real number type")
+        elif not np.isfinite(array).all():
+            raise LossInputError(f"loss_fn_inputs[{key!r}]: contains NaN or infinity")
+    if loss_fn in CLIP_DEFAULTS:
+        _clip_bounds(loss_fn, cfg, arrays, lambda v: np.asarray(v, dtype=np.float64))
+
+
+def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+               config: Mapping[str, float | str] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """One datum's Tinker loss (a sum over its tokens) and metrics.
+
+    lp: [N] float, the policy's logprob of target_tokens[i] at each position, with grad.
+    inputs: loss_fn_inputs as tensors (or arrays), each [N]; cast to lp's dtype/device.
+    config: loss_fn_config (None for none); see the module docstring for each loss.
+    Returns (loss, metrics): loss a 0-d tensor in lp's graph; metrics plain floats for
+    this datum, for the caller to suffix and reduce:
+      loss            the loss value, every loss_fn
+      active_tokens   RL losses: tokens with A != 0 (the others add nothing but dro's penalty)
+      ratio_mean      RL losses: mean r over active tokens, 1.0 (on-policy) when none is
+                      active so that a mean over datums stays finite
+      clipped_tokens  ppo: active tokens whose clipped term won the min (zero gradient);
+                      cispo: active tokens whose ratio was clamped
+      penalty         dro: 0.5 * beta * sum_i (lp_i - q_i)^2
+    Raises LossInputError as check_inputs does for the loss name, config and the inputs'
+    names and shapes (dtype and finiteness are check_inputs' job), and ValueError if lp
+    is not 1-D.
+    """
+    cfg = _checked_config(loss_fn, config)
+    if lp.dim() != 1:
+        raise ValueError(f"lp must be [N], got shape {list(lp.shape)}")
+    _check_keys_and_shapes(loss_fn, {key: tuple(value.shape) for key, value in inputs.items()}, lp.shape[0])
+
+    def as_lp(value) -> torch.Tensor:
+        return torch.as_tensor(value, dtype=lp.dtype, device=lp.device)
+
+    if loss_fn == "cross_entropy":
+        loss = -(lp * as_lp(inputs["weights"])).sum()
+        return loss, {"loss": float(loss.detach())}
+
+    q, adv = as_lp(inputs["logprobs"]), as_lp(inputs["advantages"])
+    log_ratio = lp - q
+    ratio = log_ratio.exp()
+    active = adv != 0
+    n_active = int(active.sum())
+    metrics = {"active_tokens": float(n_active),
+               "ratio_mean": float(ratio.detach()[active].mean()) if n_active else 1.0}
+    if loss_fn == "importance_sampling":
+        loss = -(ratio * adv).sum()
+    elif loss_fn == "ppo":
+        low, high = _clip_bounds(loss_fn, cfg, inputs, as_lp)
+        unclipped = ratio * adv
+        clipped = torch.minimum(torch.maximum(ratio, low), high) * adv
+        loss = -torch.minimum(unclipped, clipped).sum()
+        metrics["clipped_tokens"] = float((clipped < unclipped).sum())
+    elif loss_fn == "cispo":
+        low, high = _clip_bounds(loss_fn, cfg, inputs, as_lp)
+        r = ratio.detach()  # sg(): the clipped ratio is a coefficient, never differentiated
+        coef = torch.minimum(torch.maximum(r, low), high)
+        loss = -(coef * lp * adv).sum()
+        metrics["clipped_tokens"] = float((((r < low) | (r > high)) & active).sum())
+    else:  # dro
+        # The penalty covers every position, A = 0 or not, as in Tinker's formula.
+        penalty = 0.5 * cfg["beta"] * log_ratio.square().sum()
+        loss = -(lp * adv).sum() + penalty
+        metrics["penalty"] = float(penalty.detach())
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics
+
+
+def _checked_config(loss_fn: str, config: Mapping[str, float | str] | None) -> dict[str, float]:
+    """loss_fn_config -> {key: float}, after checking the loss name, keys and values."""
+    if loss_fn not in LOSS_FNS:
+        raise LossInputError(f"loss_fn {loss_fn!r} is not supported (supported: {', '.join(LOSS_FNS)})")
+    allowed = CONFIG_KEYS[loss_fn]
+    cfg: dict[str, float] = {}
+    for key, value in (config or {}).items():
+        if key not in allowed:
+            raise LossInputError(f"loss_fn_config key {key!r} is not accepted by {loss_fn!r} "
+                                 f"(accepted: {', '.join(allowed) or 'none'})")
+        # bool is an int to Python, but True as a clip bound is a mistake, not 1.0.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise LossInputError(f"loss_fn_config[{key!r}]: {value!r} is not a finite number")
+        cfg[key] = float(value)
+    if loss_fn == "dro":
+        if "beta" not in cfg:
+            raise LossInputError("loss_fn 'dro' needs loss_fn_config['beta'], the weight of its quadratic "
+                                 "penalty (e.g. 0.05): Tinker documents no default")
+        if cfg["beta"] < 0:
+            raise LossInputError(f"loss_fn_config['beta']: {cfg['beta']} is negative")
+    return cfg
+
+
+def _check_keys_and_shapes(loss_fn: str, shapes: Mapping[str, tuple[int, ...]], n_tokens: int) -> None:
+    """Every required input present, none unknown, each of shape [n_tokens]."""
+    required, optional = REQUIRED_INPUTS[loss_fn], OPTIONAL_INPUTS[loss_fn]
+    for key in required:
+        if key not in shapes:
+            raise LossInputError(f"loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}] "
+                                 f"(required: {', '.join(required)})")
+    for key, shape in shapes.items():
+        if key not in required and key not in optional:
+            raise LossInputError(f"loss_fn_inputs[{key!r}] is not an input of {loss_fn!r} "
+                                 f"(inputs: {', '.join(required + optional)})")
+        if tuple(shape) != (n_tokens,):
+            raise LossInputError(f"loss_fn_inputs[{key!r}]: shape {list(shape)} does not match the "
+                                 f"{n_tokens} target tokens (expected [{n_tokens}])")
+
+
+def _clip_bounds(loss_fn: str, cfg: Mapping[str, float], inputs: Mapping, as_array: Callable):
+    """(low, high) as arrays of as_array's kind, each [N] or 0-d: an input array, else
+    the config value, else the loss's default. Raises LossInputError if low > high."""
+    low, high = (as_array(inputs[key]) if key in inputs else as_array(cfg.get(key, default))
+                 for key, default in zip(CLIP_KEYS, CLIP_DEFAULTS[loss_fn]))
+    if bool((low > high).any()):
+        raise LossInputError(f"clip_low_threshold {_show(low)} exceeds clip_high_threshold {_show(high)} "
+                             "(they are ratio bounds such as 0.8 and 1.2)")
+    return low, high
+
+
+def _show(bound) -> str:
+    """A bound for an error message: the number, or 'per token' with its range."""
+    values = np.asarray(bound.tolist(), dtype=np.float64)
+    if values.ndim == 0:
+        return f"{float(values):g}"
+    return f"(per token, {values.min():g}..{values.max():g})"

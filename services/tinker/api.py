@@ -1,0 +1,257 @@
+"""The HTTP routes of the Tinker API (`/api/v1/...`), as the official `tinker` SDK calls
+them: JSON bodies, a protobuf forward_backward body, futures answered by
+`retrieve_future` (long-polled). Every route but healthz needs `X-API-Key`: the
+SDK insists on a `tml-` prefix, so a key is `tml-<OpenTinker API key>` (the prefix is
+dropped, the rest checked against the stored argon2 hashes, core/users.py).
+
+A refusal the SDK must not retry is a 4xx with a JSON body (`{"detail": ...}`); an
+operation that fails once queued is a failed future (`{"error", "category"}`).
+Sampling (create_sampling_session, asample) is not served yet: 400 says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from opentinker.schemas.tinker import AdamParams, TinkerOp
+from opentinker.services.core.users import AuthError
+from opentinker.services.tinker import wire
+from opentinker.services.tinker.sessions import ApiError, Gateway
+
+PROTOBUF = "application/x-protobuf"
+MAX_BODY_BYTES = 8 * 1024 * 1024
+NOT_SERVED = ("sampling is not served by this OpenTinker version yet: train with forward_backward / "
+              "optim_step and save with save_state / save_weights_for_sampler")
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    pass
+
+
+class CreateSessionBody(_Body):
+    tags: list[str] = []
+    user_metadata: dict[str, str] = {}
+    project_id: str | None = None
+
+
+class SessionBody(_Body):
+    session_id: str
+
+
+class LoraConfig(_Body):
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelBody(_Body):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: LoraConfig | None = None
+
+
+class ModelBody(_Body):
+    model_id: str
+
+
+class OptimStepBody(_Body):
+    model_id: str
+    seq_id: int
+    adam_params: AdamParams | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveBody(_Body):
+    model_id: str
+    seq_id: int
+    path: str | None = None
+
+
+class LoadBody(_Body):
+    path: str
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    optimizer: bool = False
+
+
+class RetrieveBody(_Body):
+    request_id: str
+
+
+def make_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="OpenTinker: the Tinker API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": e.detail}, status_code=e.status)
+
+    async def caller(request: Request) -> str:
+        key = request.headers.get("x-api-key", "")
+        try:
+            return (await gw.users.authenticate(key.removeprefix("tml-"))).name
+        except AuthError as e:
+            raise ApiError(401, f"{e.reason} (send X-API-Key: tml-<your OpenTinker API key>)") from None
+
+    async def body(request: Request, kind: type) -> tuple[str, Any]:
+        user = await caller(request)
+        raw = await read(request)
+        try:
+            return user, msgspec.json.decode(raw, type=kind)
+        except msgspec.ValidationError as e:
+            raise ApiError(400, f"body: {e}") from None
+        except msgspec.DecodeError:
+            raise ApiError(400, "body: not JSON") from None
+
+    async def read(request: Request) -> bytes:
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise ApiError(413, f"body: over {MAX_BODY_BYTES} bytes")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"body: over {MAX_BODY_BYTES} bytes")
+        return raw
+
+    @app.get("/api/v1/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.post("/api/v1/client/config")
+    async def client_config(request: Request) -> dict:
+        await caller(request)
+        return {"parallel_fwdbwd_chunks": False, "fwdbwd_max_chunk_bytes_count": gw.chunk_bytes,
+                "pjwt_auth_enabled": False}
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config(request: Request) -> dict:
+        await caller(request)
+        return {}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry(request: Request) -> dict:
+        await caller(request)
+        return {"status": "accepted"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities(request: Request) -> dict:
+        await caller(request)
+        return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": False}
+                                     for m in gw.known_models()]}
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request) -> dict:
+        user, _ = await body(request, CreateSessionBody)
+        return {"session_id": await gw.create_session(user)}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request) -> dict:
+        user, b = await body(request, SessionBody)
+        await gw.heartbeat(user, b.session_id)
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> Response:
+        user = await caller(request)
+        await gw.finish(user, session_id)
+        return Response(status_code=204)
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request) -> dict:
+        user, b = await body(request, CreateModelBody)
+        lora = b.lora_config or LoraConfig()
+        job_id = await gw.create_model(user, request.headers.get("x-api-key", "").removeprefix("tml-"),
+                                       b.session_id, b.model_seq_id, b.base_model, lora.rank, lora.seed,
+                                       attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
+        return {"request_id": wire.request_id(job_id, 0), "model_id": wire.model_of_job(job_id)}
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request) -> dict:
+        user, b = await body(request, ModelBody)
+        return await gw.info(user, b.model_id)
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request) -> dict:
+        user = await caller(request)
+        raw = await read(request)
+        try:
+            mid, seq, loss_fn, config, forward_only, data = wire.parse_forward_backward(
+                raw, request.headers.get("content-encoding", ""))
+        except wire.WireError as e:
+            raise ApiError(400, str(e)) from None
+        job_id = await gw.own_model(user, mid)
+        op = TinkerOp(job_id=job_id, seq_id=seq, op="forward" if forward_only else "forward_backward",
+                      data=data, loss_fn=loss_fn, loss_fn_config=config)
+        return {"request_id": await gw.submit(op), "model_id": mid}
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request) -> dict:
+        user, b = await body(request, OptimStepBody)
+        job_id = await gw.own_model(user, b.model_id)
+        error = "" if b.adam_params else "optimizer_params: only Adam (adam_params) is served"
+        op = TinkerOp(job_id=job_id, seq_id=b.seq_id, op="optim_step", adam=b.adam_params, error=error)
+        return {"request_id": await gw.submit(op), "model_id": b.model_id}
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request) -> dict:
+        user, b = await body(request, SaveBody)
+        return {"request_id": await gw.submit(await save_op(user, b, "save_state")), "model_id": b.model_id}
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict:
+        user, b = await body(request, SaveBody)
+        return {"request_id": await gw.submit(await save_op(user, b, "save_sampler")), "model_id": b.model_id}
+
+    async def save_op(user: str, b: SaveBody, kind: str) -> TinkerOp:
+        job_id = await gw.own_model(user, b.model_id)
+        error = ""
+        if not b.path:
+            error = NOT_SERVED if kind == "save_sampler" else "path: a name is required"
+        else:
+            try:
+                wire.check_name(b.path)
+            except wire.WireError as e:
+                error = str(e)
+        return TinkerOp(job_id=job_id, seq_id=b.seq_id, op=kind, name=b.path or "", error=error)
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> dict:
+        user, b = await body(request, LoadBody)
+        if b.model_id is None or b.seq_id is None:
+            raise ApiError(400, "create_training_client_from_state is not served yet: create a LoRA training "
+                                "client and call load_state(path) on it")
+        job_id = await gw.own_model(user, b.model_id)
+        error, path = "", ""
+        try:
+            src_model, kind, name = wire.parse_save_path(b.path)
+            if kind != "weights":
+                raise wire.WireError(f"path: {b.path!r} holds sampler weights; load_state takes a save_state path")
+            path = f"{await gw.own_model(user, src_model)}/{name}"
+        except (wire.WireError, ApiError) as e:
+            error = e.detail if isinstance(e, ApiError) else str(e)
+        op = TinkerOp(job_id=job_id, seq_id=b.seq_id, op="load_state", path=path, optimizer=b.optimizer,
+                      error=error)
+        return {"request_id": await gw.submit(op), "model_id": b.model_id}
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        user, b = await body(request, RetrieveBody)
+        answer = await gw.retrieve(user, b.request_id)
+        if isinstance(answer, bytes):
+            return Response(answer, media_type=PROTOBUF)
+        return JSONResponse(answer)
+
+    @app.post("/api/v1/create_sampling_session")
+    @app.post("/api/v1/asample")
+    async def sampling(request: Request) -> Response:
+        await caller(request)
+        raise ApiError(400, NOT_SERVED)
+
+    return app

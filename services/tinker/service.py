@@ -1,0 +1,59 @@
+"""The tinker service: Thinking Machines' Tinker API over HTTP, backed by the bus.
+
+Role: answer the official `tinker` SDK (api.py) as the calling user. A training
+client's model is a tinker job (`algorithm = "tinker"`) the scheduler places on a
+learner, which executes the client's operations in order (learner/tinker_run.py).
+Nothing here trains or holds model state: a restarted service picks up every session
+and future from the bus.
+
+Reads:  KV `ot_jobs` (a model's owner and state), `ot_users` / `ot_keys` (API keys),
+        `ot_tinker` (sessions); `ot.job.<id>.results.<seq>` (OT_TINKER, by direct get).
+Writes: `ot.ctl.submit` (request/reply: a model's job, as the user); `ot.job.<id>.ops.<seq>`
+        and `.ops.close` (OT_TINKER); KV `ot_tinker`.
+Listens: http://<tinker_host>:<tinker_port>/api/v1 (X-API-Key authenticated; loopback
+        by default).
+
+Run: `python -m opentinker.services.tinker [tinker_port=8471] [KEY=VALUE ...]`
+(`opentinker serve tinker`), then `TINKER_BASE_URL=http://127.0.0.1:8471
+TINKER_API_KEY=tml-<your OpenTinker API key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from opentinker.services.core.bus import Bus
+from opentinker.services.core.config import Settings
+from opentinker.services.core.http import serve_http
+from opentinker.services.core.runner import run_service
+from opentinker.services.tinker.api import make_app
+from opentinker.services.tinker.sessions import SESSION_TTL_S, Gateway
+
+log = logging.getLogger("opentinker.tinker")
+
+SERVICE = "tinker"
+
+
+async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
+    gw = Gateway(bus, settings.home)
+    server = await serve_http(make_app(gw), settings.tinker_host, settings.tinker_port)
+    url = f"http://{settings.tinker_host}:{server.port}"
+    (Path(settings.home) / "tinker.json").write_text(json.dumps({"base_url": url}))
+    log.info("Tinker API on %s (TINKER_BASE_URL)", url)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), SESSION_TTL_S / 10)
+            except TimeoutError:
+                reaped = await gw.reap()
+                if reaped:
+                    log.info("finished %d idle sessions: %s", len(reaped), ", ".join(reaped))
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service(SERVICE, body, argv)

@@ -1,0 +1,194 @@
+"""Tinker's wire formats and names, to and from the bus's messages (schemas/tinker.py).
+
+The protobuf bodies (a forward_backward request; the ForwardBackwardOutput a future
+returns) use the Tinker SDK's own generated module, `tinker.proto.tinker_public_pb2`
+(package `tinker`, pinned in the server extra): integer token ids travel as int32
+little-endian bytes, tensors as dense little-endian bytes or CSR, per-datum outputs
+as one BatchedTensor with byte offsets.
+
+Names: a session is `ts-<10 hex>`; its n-th model is Tinker's model id
+`<session>:train:<n>` (the form the SDK derives itself) and our job `<session>-m<n>`;
+a future's request id is `<job>.<seq_id>`; saves are `tinker://<model_id>/weights/<name>`
+(training state) and `tinker://<model_id>/sampler_weights/<name>` (sampler weights).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+import numpy as np
+
+from opentinker.schemas.tinker import CHECKPOINT_NAME_RE, MAX_TINKER_DATUMS, TinkerDatum, TinkerResult, TinkerTensor
+
+SESSION_RE = re.compile(r"^ts-[0-9a-f]{10}$")
+MODEL_RE = re.compile(r"^(ts-[0-9a-f]{10}):train:(\d{1,6})$")
+JOB_RE = re.compile(r"^(ts-[0-9a-f]{10})-m(\d{1,6})$")
+REQUEST_RE = re.compile(r"^(ts-[0-9a-f]{10}-m\d{1,6})\.(\d{1,15})$")
+PATH_RE = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
+MAX_TOKENS_PER_DATUM = 131_072
+
+
+class WireError(ValueError):
+    """A request body or name the API cannot take; the message names the field."""
+
+
+def new_session_id() -> str:
+    return f"ts-{secrets.token_hex(5)}"
+
+
+def model_id(session_id: str, n: int) -> str:
+    return f"{session_id}:train:{n}"
+
+
+def job_of_model(mid: str) -> str:
+    """Our job id for Tinker model id `mid`. Raises WireError for a malformed id."""
+    m = MODEL_RE.match(mid or "")
+    if not m:
+        raise WireError(f"model_id: {mid!r} is not a model of this server (<session>:train:<n>)")
+    return f"{m.group(1)}-m{int(m.group(2))}"
+
+
+def model_of_job(job_id: str) -> str:
+    m = JOB_RE.match(job_id)
+    if not m:
+        raise WireError(f"{job_id!r} is not a tinker session's job")
+    return model_id(m.group(1), int(m.group(2)))
+
+
+def session_of_job(job_id: str) -> str:
+    return job_id.rpartition("-m")[0]
+
+
+def request_id(job_id: str, seq_id: int) -> str:
+    return f"{job_id}.{seq_id}"
+
+
+def parse_request_id(rid: str) -> tuple[str, int]:
+    """(job id, seq id) of a future's request id. Raises WireError."""
+    m = REQUEST_RE.match(rid or "")
+    if not m:
+        raise WireError(f"request_id: {rid!r} is not a request of this server")
+    return m.group(1), int(m.group(2))
+
+
+def save_path(mid: str, kind: str, name: str) -> str:
+    return f"tinker://{mid}/{kind}/{name}"
+
+
+def parse_save_path(path: str) -> tuple[str, str, str]:
+    """(model id, kind, name) of a tinker:// save path. Raises WireError."""
+    m = PATH_RE.match(path or "")
+    if not m:
+        raise WireError(f"path: {path!r} is not tinker://<model_id>/weights/<name> or .../sampler_weights/<name>")
+    mid, kind, name = m.groups()
+    job_of_model(mid)
+    check_name(name)
+    return mid, kind, name
+
+
+def check_name(name: str) -> str:
+    if not CHECKPOINT_NAME_RE.match(name or ""):
+        raise WireError(f"path: name {name!r} must match {CHECKPOINT_NAME_RE.pattern}")
+    return name
+
+
+# -- forward_backward -------------------------------------------------------------
+
+def _pb():
+    from tinker.proto import tinker_public_pb2
+
+    return tinker_public_pb2
+
+
+def _tensor(t, name: str) -> TinkerTensor:
+    """A dense TinkerTensor from a tinker_public.Tensor (dense or CSR; float32, bf16,
+    int64 or int32)."""
+    pb = _pb()
+    kinds = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32,
+             pb.DTYPE_BFLOAT16: np.uint16}
+    if t.dtype not in kinds:
+        raise WireError(f"{name}: unsupported dtype {t.dtype}")
+    dt = kinds[t.dtype]
+    shape = [int(x) for x in t.shape]
+    if t.WhichOneof("encoding") == "sparse_csr":
+        if len(shape) != 2:
+            raise WireError(f"{name}: a sparse tensor needs a 2-D shape, got {shape}")
+        values = np.frombuffer(t.sparse_csr.values, dt)
+        crow = np.frombuffer(t.sparse_csr.crow_indices, np.int64)
+        col = np.frombuffer(t.sparse_csr.col_indices, np.int64)
+        if (len(crow) != shape[0] + 1 or len(col) != len(values) or (len(col) and (col.min() < 0 or col.max() >= shape[1]))
+                or np.any(np.diff(crow) < 0) or crow[0] != 0 or crow[-1] != len(values)):
+            raise WireError(f"{name}: inconsistent CSR indices for shape {shape}")
+        a = np.zeros(shape, dt)
+        rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+        a[rows, col] = values
+    else:
+        if len(t.dense) % np.dtype(dt).itemsize:
+            raise WireError(f"{name}: {len(t.dense)} bytes is not a whole number of elements")
+        a = np.frombuffer(t.dense, dt)
+        if shape and int(np.prod(shape)) != a.size:
+            raise WireError(f"{name}: shape {shape} does not hold {a.size} elements")
+    if dt is np.uint16:  # bfloat16: the high half of a float32
+        a = (a.astype(np.uint32) << 16).view(np.float32)
+    a = a.astype(np.int64 if a.dtype.kind in "iu" else np.float32)
+    return TinkerTensor(dtype="int64" if a.dtype == np.int64 else "float32", shape=shape or [a.size],
+                        data=np.ascontiguousarray(a).tobytes())
+
+
+def parse_forward_backward(body: bytes, content_encoding: str = ""):
+    """A ForwardBackwardRequest body (zstd-compressed when `content_encoding` says so).
+    Returns (model_id, seq_id, loss_fn, loss_fn_config, forward_only, data). Raises
+    WireError for an undecodable body, image or audio inputs, too many datums or
+    tokens."""
+    from google.protobuf.message import DecodeError
+
+    pb = _pb()
+    if content_encoding.strip().lower() == "zstd":
+        import zstandard
+
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=64 * 1024 * 1024)
+        except zstandard.ZstdError as e:
+            raise WireError(f"body: not zstd ({e})") from None
+    req = pb.ForwardBackwardRequest()
+    try:
+        req.ParseFromString(body)
+    except DecodeError as e:
+        raise WireError(f"body: not a tinker_public.ForwardBackwardRequest ({e})") from None
+    if len(req.data) > MAX_TINKER_DATUMS:
+        raise WireError(f"data: {len(req.data)} datums (at most {MAX_TINKER_DATUMS} per request)")
+    if req.seq_id < 1:
+        raise WireError(f"seq_id: {req.seq_id} (from 1)")
+    config: dict[str, float | str] = dict(req.loss_fn_config)
+    for k, v in req.loss_fn_config_v2.items():
+        config[k] = v.number if v.WhichOneof("value") == "number" else v.text
+    data = []
+    for i, d in enumerate(req.data):
+        tokens = []
+        for c in d.model_input:
+            kind = c.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise WireError(f"data[{i}].model_input: {kind} chunks are not supported (text only)")
+            tokens.append(np.frombuffer(c.encoded_text.tokens, np.int32))
+        ids = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
+        if len(ids) > MAX_TOKENS_PER_DATUM or (len(ids) and ids.min() < 0):
+            raise WireError(f"data[{i}].model_input: {len(ids)} tokens (at most {MAX_TOKENS_PER_DATUM}, ids >= 0)")
+        inputs = {k: _tensor(v, f"data[{i}].loss_fn_inputs[{k!r}]") for k, v in d.loss_fn_inputs.items()}
+        data.append(TinkerDatum(tokens=ids.tolist(), inputs=inputs))
+    return req.model_id, int(req.seq_id), req.loss_fn, config, bool(req.forward_only), data
+
+
+def forward_backward_output(r: TinkerResult) -> bytes:
+    """The serialized tinker_public.ForwardBackwardOutput of a forward(_backward) result:
+    one ArrayRecord of every datum's `logprobs`, and the metrics."""
+    pb = _pb()
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    rec = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(r.logprobs))
+    field = rec.fields["logprobs"]
+    field.dtype = pb.DTYPE_FLOAT32
+    field.data = b"".join(t.data for t in r.logprobs)
+    field.offsets = np.cumsum([0] + [len(t.data) for t in r.logprobs]).astype("<i8").tobytes()
+    for k, v in r.metrics.items():
+        out.metrics[k] = float(v)
+    return out.SerializeToString()

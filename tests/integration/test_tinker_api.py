@@ -1,0 +1,189 @@
+"""The official `tinker` SDK (pinned in the server extra), unchanged, against the stack's
+Tinker API: scheduler, learner and the tinker service on a real nats-server, the tiny
+model. A supervised loop whose loss falls; every loss function's `loss:sum` against a
+hand computation from the logprobs the server returns; a save_state / load_state round
+trip; wrong keys refused; another tenant's models, futures and saves unreachable;
+what is not served fails at once, naming itself."""
+
+import asyncio
+import math
+import os
+
+import httpx
+import numpy as np
+import pytest
+
+from opentinker.schemas import JobState
+from opentinker.services.core.nats_server import free_port
+from opentinker.services.core.users import Users
+
+tinker = pytest.importorskip("tinker")
+
+
+def datum(tokens: list[int], **inputs) -> "tinker.Datum":
+    """Tinker's next-token alignment: position i of the input predicts tokens[i + 1]."""
+    arrays = {"target_tokens": np.array(tokens[1:], dtype=np.int64)}
+    arrays.update({k: np.asarray(v, dtype=np.float32) for k, v in inputs.items()})
+    return tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={k: tinker.TensorData.from_numpy(v) for k, v in arrays.items()})
+
+
+def run_sdk(base_url: str, key: str, fn):
+    """Run `fn(service_client)` with the SDK configured as a user would: environment
+    variables only."""
+    env = {"TINKER_BASE_URL": base_url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with tinker.ServiceClient() as sc:
+            return fn(sc)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+async def stack(services, bus, job_id):
+    port = free_port()
+    for name in ("scheduler", "learner"):
+        services.start(name)
+    services.start("tinker", f"tinker_port={port}")
+    users = Users(bus)
+    keys = {}
+    for who in ("alice", "bob"):
+        name = f"{who}-{job_id[-6:]}"
+        await users.create_user(name)
+        keys[who] = "tml-" + (await users.create_key(name))[1]
+    base = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        for _ in range(200):
+            try:
+                if (await http.get("/api/v1/healthz")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                await asyncio.sleep(0.2)
+    return base, keys
+
+
+async def test_the_official_sdk_trains_saves_and_loads(stack, tiny_model, bus, services):
+    base, keys = stack
+
+    def session(sc):
+        tc = sc.create_lora_training_client(base_model=tiny_model, rank=4, seed=0).result()
+        tok = tc.get_tokenizer()  # the model's own folder: no hub
+        info = tc.get_info()
+        assert info.model_data.model_name == tiny_model and tok.vocab_size > 0
+        ids = tok.encode("The quick brown fox jumps over the lazy dog.")[:12]
+        sl = [datum(ids, weights=[0.0] * 3 + [1.0] * (len(ids) - 4))]
+        losses, out = [], None
+        for _ in range(8):
+            fb = tc.forward_backward(sl, "cross_entropy")
+            opt = tc.optim_step(tinker.AdamParams(learning_rate=5e-3))
+            out = fb.result()
+            opt.result()
+            losses.append(out.metrics["loss:sum"])
+        # cross_entropy is sum(-lp * w), from the per-token logprobs returned
+        lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+        w = sl[0].loss_fn_inputs["weights"].to_numpy()
+        assert lp.shape == (len(ids) - 1,) and out.metrics["loss:sum"] == pytest.approx(-(lp * w).sum(), rel=1e-4)
+
+        # every loss against its formula, on the logprobs the forward pass returns
+        q = lp - 0.3 * np.sin(np.arange(len(lp)))  # a sampler's logprobs, off by a little
+        adv = np.where(np.arange(len(lp)) % 2 == 0, 1.5, -0.5).astype(np.float32)
+        rl = [datum(ids, logprobs=q, advantages=adv)]
+        got = {}
+        for loss, cfg in (("importance_sampling", None), ("ppo", None), ("cispo", None), ("dro", {"beta": 0.1})):
+            r = tc.forward(rl, loss, loss_fn_config=cfg).result()
+            got[loss] = (r.metrics["loss:sum"], r.loss_fn_outputs[0]["logprobs"].to_numpy().astype(np.float64))
+        now = got["importance_sampling"][1]
+        ratio = np.exp(now - q)
+        assert got["importance_sampling"][0] == pytest.approx(-(ratio * adv).sum(), rel=1e-4)
+        assert got["ppo"][0] == pytest.approx(-np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv).sum(), rel=1e-4)
+        assert got["cispo"][0] == pytest.approx(-(np.clip(ratio, 0.0, 4.0) * now * adv).sum(), rel=1e-4)
+        assert got["dro"][0] == pytest.approx(-(now * adv - 0.05 * (now - q) ** 2).sum(), rel=1e-4)
+
+        # a bad request fails its own future, naming the fault; the session goes on
+        with pytest.raises(tinker.RequestFailedError, match="gspo"):
+            tc.forward(rl, "gspo").result()
+        with pytest.raises(tinker.RequestFailedError, match="beta"):
+            tc.forward(rl, "dro").result()
+
+        # save_state / load_state: the saved weights and optimizer come back
+        path = tc.save_state("ckpt-a").result().path
+        before = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        for _ in range(2):
+            tc.forward_backward(sl, "cross_entropy")
+            tc.optim_step(tinker.AdamParams(learning_rate=2e-2)).result()
+        moved = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        tc.load_state_with_optimizer(path).result()
+        back = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        sampler = tc.save_weights_for_sampler("snap").result().path
+        with pytest.raises(Exception, match="sampling is not served"):
+            sc.create_sampling_client(model_path=sampler).result()
+        return losses, path, before, moved, back, tc.model_id
+
+    losses, path, before, moved, back, mid = await asyncio.to_thread(run_sdk, base, keys["alice"], session)
+    print(f"SFT loss by step: {[round(x, 3) for x in losses]}")
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert path == f"tinker://{mid}/weights/ckpt-a"
+    assert np.abs(moved - before).max() > 1e-3 and np.allclose(back, before, atol=1e-5)
+    # the client closed its session: the learner exported the policy and completed
+    job = mid.replace(":train:", "-m")
+    for _ in range(300):
+        rec, _ = await bus.job_record(job)
+        if rec.state.terminal:
+            break
+        await asyncio.sleep(0.2)
+    assert rec.state == JobState.COMPLETED, (rec, services.logs())
+    assert (services.home / "checkpoints" / job / "final" / "adapter_config.json").exists()
+    return mid, path
+
+
+async def test_keys_and_tenants(stack, tiny_model, bus, services):
+    base, keys = stack
+
+    def wrong_key(sc):
+        return sc.create_lora_training_client(base_model=tiny_model, rank=4).result()
+
+    with pytest.raises(tinker.AuthenticationError, match="invalid API key"):
+        await asyncio.to_thread(run_sdk, base, "tml-otk-" + "x" * 43, wrong_key)
+
+    def alice(sc):
+        tc = sc.create_lora_training_client(base_model=tiny_model, rank=4).result()
+        path = tc.save_state("mine").result().path
+        tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+        return tc.model_id, path
+
+    mid, path = await asyncio.to_thread(run_sdk, base, keys["alice"], alice)
+    rid = mid.replace(":train:", "-m") + ".1"  # the future of alice's save_state (seq_id 1)
+    bob = {"X-API-Key": keys["bob"]}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        # another tenant's model, future and session: as if they did not exist
+        r = await http.post("/api/v1/get_info", json={"model_id": mid}, headers=bob)
+        assert r.status_code == 404 and "no model" in r.json()["detail"]
+        r = await http.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=bob)
+        assert r.status_code == 404
+        r = await http.post("/api/v1/optim_step", headers=bob, json={
+            "model_id": mid, "seq_id": 99, "adam_params": {"learning_rate": 1.0}})
+        assert r.status_code == 404
+        r = await http.post("/api/v1/session_heartbeat", json={"session_id": mid.split(":")[0]}, headers=bob)
+        assert r.status_code == 404
+        # no key, a key without the SDK's prefix, garbage bodies
+        assert (await http.post("/api/v1/create_session", json={})).status_code == 401
+        r = await http.post("/api/v1/forward_backward", content=b"\x08\xff\xff", headers=bob)
+        assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["detail"]
+        r = await http.post("/api/v1/get_info", content=b"{", headers=bob)
+        assert r.status_code == 400
+
+    def bob_loads_alices_save(sc):
+        tc = sc.create_lora_training_client(base_model=tiny_model, rank=4).result()
+        with pytest.raises(tinker.RequestFailedError, match="no model"):
+            tc.load_state(path).result()
+        with pytest.raises(tinker.RequestFailedError, match="must match"):
+            tc.save_state("../escape").result()
+        return tc.save_state("still-fine").result().path
+
+    assert (await asyncio.to_thread(run_sdk, base, keys["bob"], bob_loads_alices_save)).endswith("/weights/still-fine")

@@ -1,0 +1,108 @@
+"""The Tinker wire formats (services/tinker/wire.py), built with the official SDK's own
+request and response code: a forward_backward body as the SDK encodes it (dense,
+CSR, zstd) decodes to our datums, our ForwardBackwardOutput decodes in the SDK, and
+names and paths round-trip while foreign ones are refused."""
+
+import numpy as np
+import pytest
+
+from opentinker.schemas.tinker import TinkerResult, TinkerTensor
+from opentinker.services.tinker import wire
+
+tinker = pytest.importorskip("tinker")
+from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
+
+
+def body(data, loss_fn="cross_entropy", config=None, forward_only=False, seq_id=3):
+    req = tinker.types.ForwardBackwardRequest(
+        forward_backward_input=tinker.types.ForwardBackwardInput(data=data, loss_fn=loss_fn,
+                                                                 loss_fn_config=config),
+        model_id="ts-0123456789:train:2", seq_id=seq_id)
+    msg = forward_backward_request_to_proto(req)
+    msg.forward_only = forward_only  # as the SDK's resources/training.py sets it
+    return msg.SerializeToString()
+
+
+def test_a_request_as_the_sdk_encodes_it_decodes_to_our_datums():
+    dense = tinker.Datum(model_input=tinker.ModelInput.from_ints([5, 6, 7]),
+                         loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [0.0, 1.0, 0.5]})
+    csr = tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2]),
+                       loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+    req = pb.ForwardBackwardRequest()
+    req.ParseFromString(body([dense, csr], "ppo", {"clip_low_threshold": 0.7}, forward_only=True))
+    # [2, 4] weights as CSR (the SDK sparsifies 2-D top-K weights so): one 3.0 at [1, 2]
+    w = req.data[1].loss_fn_inputs["weights"]
+    w.Clear()
+    w.dtype, w.shape[:] = pb.DTYPE_FLOAT32, [2, 4]
+    w.sparse_csr.values = np.array([3.0], np.float32).tobytes()
+    w.sparse_csr.crow_indices = np.array([0, 0, 1], np.int64).tobytes()
+    w.sparse_csr.col_indices = np.array([2], np.int64).tobytes()
+    sparse = np.zeros((2, 4), np.float32)
+    sparse[1, 2] = 3.0
+    mid, seq, loss_fn, config, forward_only, data = wire.parse_forward_backward(req.SerializeToString())
+    assert (mid, seq, loss_fn, forward_only) == ("ts-0123456789:train:2", 3, "ppo", True)
+    assert config == {"clip_low_threshold": pytest.approx(0.7)}
+    assert data[0].tokens == [5, 6, 7] and data[1].tokens == [1, 2]
+    t = data[0].inputs["target_tokens"]
+    assert (t.dtype, t.shape, np.frombuffer(t.data, np.int64).tolist()) == ("int64", [3], [6, 7, 8])
+    w = data[1].inputs["weights"]
+    assert w.shape == [2, 4] and np.frombuffer(w.data, np.float32).reshape(2, 4).tolist() == sparse.tolist()
+
+    import zstandard
+
+    raw = body([dense])
+    assert wire.parse_forward_backward(zstandard.ZstdCompressor().compress(raw), "zstd")[5] == \
+        wire.parse_forward_backward(raw)[5]
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda r: r.data[0].model_input.add().image.format.__class__, "image"),
+    (lambda r: setattr(r, "seq_id", 0), "seq_id"),
+    (lambda r: r.data[0].loss_fn_inputs["weights"].__setattr__("dense", b"\x00" * 5), "whole number"),
+    (lambda r: r.data[0].loss_fn_inputs["weights"].shape.append(7), "shape"),
+])
+def test_bad_requests_name_the_field(mutate, match):
+    req = pb.ForwardBackwardRequest()
+    req.ParseFromString(body([tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2]),
+                                           loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})]))
+    if match == "image":
+        req.data[0].model_input.add().image.data = b"png"
+    else:
+        mutate(req)
+    with pytest.raises(wire.WireError, match=match):
+        wire.parse_forward_backward(req.SerializeToString())
+    with pytest.raises(wire.WireError, match="ForwardBackwardRequest"):
+        wire.parse_forward_backward(b"\xff\xff\xff")
+    with pytest.raises(wire.WireError, match="zstd"):
+        wire.parse_forward_backward(b"not zstd", "zstd")
+
+
+def test_our_output_decodes_in_the_sdk():
+    lps = [np.array([-1.0, -2.5], np.float32), np.array([-0.5], np.float32)]
+    r = TinkerResult(job_id="ts-0123456789-m0", seq_id=1, op="forward",
+                     logprobs=[TinkerTensor(dtype="float32", shape=[len(x)], data=x.tobytes()) for x in lps],
+                     metrics={"loss:sum": 4.0})
+    sdk = deserialize_forward_backward_output(wire.forward_backward_output(r))
+    assert [o["logprobs"].to_numpy().tolist() for o in sdk.loss_fn_outputs] == [x.tolist() for x in lps]
+    assert sdk.metrics == {"loss:sum": 4.0}
+
+
+def test_names_round_trip_and_foreign_ones_are_refused():
+    sid = wire.new_session_id()
+    assert wire.SESSION_RE.match(sid)
+    mid = wire.model_id(sid, 3)
+    job = wire.job_of_model(mid)
+    assert job == f"{sid}-m3" and wire.model_of_job(job) == mid
+    assert wire.parse_request_id(wire.request_id(job, 17)) == (job, 17)
+    assert wire.parse_save_path(wire.save_path(mid, "weights", "ck-1.a")) == (mid, "weights", "ck-1.a")
+    for bad in ("ts-01234:train:0", "ts-0123456789:train:x", "other:train:0", "ts-0123456789:train:0/../x"):
+        with pytest.raises(wire.WireError):
+            wire.job_of_model(bad)
+    for bad in (f"tinker://{mid}/weights/..", f"tinker://{mid}/weights/a/b", f"tinker://{mid}/other/a",
+                "s3://bucket/x", f"tinker://{mid}/weights/.hidden"):
+        with pytest.raises(wire.WireError):
+            wire.parse_save_path(bad)
+    with pytest.raises(wire.WireError):
+        wire.parse_request_id(f"{job}.1.2")
