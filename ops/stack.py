@@ -136,7 +136,8 @@ class Stack:
         child process logging to <home>/logs/<name>.log."""
         service = name.partition("-")[0]
         env = self.child_env(name)
-        if name == "scheduler" and not (env.get("OPENTINKER_ADMIN_KEY") or env.get("OPENTINKER_ADMIN_KEY_FILE")):
+        # the scheduler bootstraps the admin with it; the tinker API cancels idle sessions' jobs with it
+        if name in ("scheduler", "tinker") and not (env.get("OPENTINKER_ADMIN_KEY") or env.get("OPENTINKER_ADMIN_KEY_FILE")):
             env["OPENTINKER_ADMIN_KEY_FILE"] = str(self.admin_key_file())
         if self.server is not None and self.server.auth:
             env["NATS_NKEY"] = str(self.server.service_seed_file)

@@ -12,6 +12,11 @@ Producers and consumers:
 - A "close" TinkerOp (the session finished, or stopped sending heartbeats) comes on
   `ot.job.<job_id>.ops.close`, outside the order: the learner first executes the ops
   it holds in order, then completes the job.
+- TinkerSample: the API service -> the rollout worker placed for the session's
+  sampling (an inference job), on that job's rollout subject
+  `ot.job.<job_id>.rollout.<worker>` (stream OT_ROLLOUT, beside RolloutRequests; told
+  apart by the Ot-Schema header). The worker answers with TinkerSamples on
+  `ot.job.<sampler>.results.<seq_id>`, per sampling session.
 - TinkerSession: the API service's record of a session, KV `ot_tinker`.
 
 Tensors travel as raw little-endian row-major bytes (`TinkerTensor`), as the Tinker
@@ -19,11 +24,12 @@ SDK sends them.
 """
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from opentinker.schemas.base import Count, Message, TokenId
+from opentinker.schemas.weights import WeightsPublished
 
 TinkerDType = Literal["float32", "int64"]
 TinkerOpKind = Literal["forward", "forward_backward", "optim_step", "save_state", "save_sampler",
@@ -31,6 +37,11 @@ TinkerOpKind = Literal["forward", "forward_backward", "optim_step", "save_state"
 MAX_TINKER_DATUMS = 4096
 # what save_state / save_weights_for_sampler names may be (a path segment, never "..")
 CHECKPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+
+
+def sampler_object(job_id: str, name: str) -> str:
+    """The object (store `ot_weights`) a tinker job's save_weights_for_sampler(`name`) writes."""
+    return f"{job_id}/sampler/{name}"
 
 
 class TinkerTensor(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +100,9 @@ class TinkerOp(Message, frozen=True, kw_only=True):
     path: str = ""
     optimizer: bool = False
     error: str = ""
+    # save_sampler for save_weights_and_get_sampling_client: the sampling session to open
+    # on the saved weights (-1: none, a named save)
+    sampling_session_seq_id: int = -1
 
 
 class TinkerResult(Message, frozen=True, kw_only=True):
@@ -110,11 +124,77 @@ class TinkerResult(Message, frozen=True, kw_only=True):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     path: str = ""
     policy_version: Count = 0
+    # save_sampler: the saved adapter's SHA-256 (hex) and size, and the op's
+    # sampling_session_seq_id
+    sha256: str = ""
+    size_bytes: Count = 0
+    sampling_session_seq_id: int = -1
+
+
+class TinkerSample(Message, frozen=True, kw_only=True):
+    """`num_samples` completions of `tokens` for sampling session `sampler` (results on
+    `ot.job.<sampler>.results.<seq_id>`), served by the Tinker session's inference job
+    `job_id` with `weights` (a LoRA adapter; None: the base model).
+
+    max_tokens: the most tokens per completion. stop_tokens / stop_strings: a completion
+    ends at the first of them (inclusive), besides the model's own end-of-sequence.
+    prompt_logprobs: also the logprob of every prompt token after the first.
+    """
+
+    job_id: str
+    sampler: str
+    seq_id: Count
+    attempt: Count = 0
+    weights: WeightsPublished | None = None
+    tokens: list[TokenId]
+    num_samples: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=32_768)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=10)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    stop_tokens: list[TokenId] = msgspec.field(default_factory=list)
+    stop_strings: list[str] = msgspec.field(default_factory=list)
+    prompt_logprobs: bool = False
+
+
+class SampledSequence(msgspec.Struct, frozen=True, kw_only=True):
+    """One completion: its tokens, the sampler's logprob of each, and why it ended."""
+
+    tokens: list[TokenId]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+
+
+class TinkerSamples(Message, frozen=True, kw_only=True):
+    """What a TinkerSample gave (or why not: `error`, `category`). prompt_logprobs: one
+    per prompt token, NaN for the first (nothing predicts it); empty unless asked."""
+
+    sampler: str
+    seq_id: Count
+    error: str = ""
+    category: Literal["user", "server"] = "user"
+    sequences: list[SampledSequence] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[float] = msgspec.field(default_factory=list)
+    policy_version: Count = 0
+
+
+class TinkerSampler(Message, frozen=True, kw_only=True):
+    """A Tinker API sampling session (a SamplingClient), KV `ot_tinker` by id
+    (`<session_id>-s<n>`): the base model and the adapter it samples with (None: the
+    base model), served by its session's inference job `<session_id>-sampling`."""
+
+    sampler_id: str
+    session_id: str
+    user: str
+    base_model: str
+    model_path: str = ""
+    weights: WeightsPublished | None = None
+    created_s: float = 0.0
 
 
 class TinkerSession(Message, frozen=True, kw_only=True):
     """A Tinker API session (the SDK's ServiceClient), KV `ot_tinker` by id. Its models
-    are the jobs `<session_id>-m<n>` for n < `models`."""
+    are the jobs `<session_id>-m<n>` for n < `models`; `samplers` sampling sessions
+    share the inference job `<session_id>-sampling` (placed on a rollout worker)."""
 
     session_id: str
     user: str
@@ -122,3 +202,4 @@ class TinkerSession(Message, frozen=True, kw_only=True):
     heartbeat_s: float = 0.0
     finished_s: float = 0.0
     models: Count = 0
+    samplers: Count = 0

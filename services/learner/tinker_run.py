@@ -26,6 +26,7 @@ resume the session, and its redelivered assignment fails the job saying so.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 import time
@@ -36,7 +37,8 @@ from nats.aio.msg import Msg
 
 from opentinker.schemas import JobState
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import CHECKPOINT_NAME_RE, TinkerDatum, TinkerOp, TinkerResult, TinkerTensor
+from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, TinkerDatum, TinkerOp, TinkerResult, TinkerTensor,
+                                       sampler_object)
 from opentinker.services.learner import checkpoint
 from opentinker.services.learner.lifecycle import RunLifecycle
 from opentinker.services.learner.tinker_losses import LossInputError, check_inputs
@@ -187,8 +189,10 @@ class TinkerRun(RunLifecycle):
         if op.op == "save_sampler":
             check_name(op.name)
             data = await self.in_engine(self.engine.weights_bytes)
-            await self.bus.put_object(S.OBJ_WEIGHTS, f"{self.job_id}/sampler/{op.name}", data)
-            return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version)
+            await self.bus.put_object(S.OBJ_WEIGHTS, sampler_object(self.job_id, op.name), data)
+            return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version,
+                                sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                                sampling_session_seq_id=op.sampling_session_seq_id)
         if op.op == "load_state":
             await self.load_named(op.path, op.optimizer)
             return TinkerResult(**r, path=op.path, policy_version=self.version)

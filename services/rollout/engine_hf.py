@@ -138,6 +138,22 @@ class HFEngine:
                              past_key_values=res.past_key_values, use_cache=True, logits_to_keep=1)
         return [GenOut(t, l, r) for t, l, r in zip(tokens, logprobs, reasons)]
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
+        """Score prompts under the current weights: element t of each list is
+        log p(prompt[t] | prompt[:t]) in nats (the raw distribution), element 0 None
+        (VLLMEngine.prompt_logprobs' contract). Raises ValueError for an empty prompt or
+        one longer than max_model_len."""
+        out: list[list[float | None]] = []
+        for i, p in enumerate(prompts):
+            if not p or len(p) > self.max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens: need 1 to {self.max_model_len}")
+            ids = torch.tensor([p], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            out.append([None, *lp.tolist()])
+        return out
+
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy `tensors` (Hugging Face names) into the model in place.

@@ -239,7 +239,14 @@ class PolicyTracker:
         (version >= `at_least`; "": the job's newest of any run), loading it unless it
         already does; returns that policy version. Raises WeightsUnavailable (see
         newest_event) and WeightsError (weights that cannot be read or applied)."""
-        ev = await self.newest_event(job_id, at_least, run)
+        return await self.ensure_weights(slot, job_id, await self.newest_event(job_id, at_least, run))
+
+    async def ensure_weights(self, slot: EngineSlot, key: str, ev: WeightsPublished | None) -> int:
+        """Make `slot`'s engine hold the weights `ev` names (None: the base model),
+        loading them unless it already does; `key` (a job id, or a tinker sampling
+        session's id) names them in the engine's caches. Returns ev's policy version.
+        Raises WeightsError for weights that cannot be read or applied."""
+        job_id = key
         # weights are identified by their bytes: a resumed learner re-makes a version
         ident = (job_id, ev.policy_version, ev.sha256) if ev else BASE
         if slot.holding == ident:

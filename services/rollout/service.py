@@ -20,7 +20,8 @@ Reads:
                      (this worker's requests, of every job placed here). Up to 16
                      requests are fetched together; the episodes of each job among
                      them share one engine call per turn. A request is acked only after all its
-                     trajectories are published.
+                     trajectories are published. TinkerSample messages (a Tinker API
+                     sampling session's calls) come here too: sampling.py.
   ot.job.*.weights   stream OT_WEIGHTS, through policy.py: a job's policy is the latest
                      WeightsPublished of the learner run a request names (`policy_run`;
                      bytes from the object store `ot_weights` or a file, sha256-checked).
@@ -72,6 +73,7 @@ from opentinker.services.core.runner import run_service
 from opentinker.services.rollout.agent_loop import AgentLoop
 from opentinker.services.rollout.env_client import ENV_SETUP_RETRY_S, NatsEnvClient
 from opentinker.services.rollout.policy import EngineSlot, PolicyTracker, WeightsUnavailable
+from opentinker.services.rollout.sampling import is_sample, serve_sample
 from opentinker.services.rollout.weights import WeightsError
 
 log = logging.getLogger("opentinker.rollout")
@@ -255,6 +257,9 @@ class RolloutWorker:
         seen: set[tuple[str, str]] = set()
         parts: dict[tuple[str, str, str], list[tuple[RolloutRequest, Msg]]] = {}
         for m in msgs:
+            if is_sample(m):  # a Tinker API sampling session's call (sampling.py)
+                await serve_sample(self, m)
+                continue
             req = await self.bus.decode_or_dead_letter(m, RolloutRequest)
             if req is None:
                 continue

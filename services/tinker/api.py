@@ -6,7 +6,8 @@ dropped, the rest checked against the stored argon2 hashes, core/users.py).
 
 A refusal the SDK must not retry is a 4xx with a JSON body (`{"detail": ...}`); an
 operation that fails once queued is a failed future (`{"error", "category"}`).
-Sampling (create_sampling_session, asample) is not served yet: 400 says so.
+Not served (400, naming it): create_training_client_from_state, top-k prompt
+logprobs, image inputs, `stop=[]`, optimizers other than Adam.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from opentinker.schemas.tinker import AdamParams, TinkerOp
+from opentinker.schemas.tinker import AdamParams, TinkerOp, TinkerSample
 from opentinker.services.core.users import AuthError
 from opentinker.services.tinker import wire
 from opentinker.services.tinker.sessions import ApiError, Gateway
 
 PROTOBUF = "application/x-protobuf"
 MAX_BODY_BYTES = 8 * 1024 * 1024
-NOT_SERVED = ("sampling is not served by this OpenTinker version yet: train with forward_backward / "
-              "optim_step and save with save_state / save_weights_for_sampler")
 
 
 class _Body(msgspec.Struct, kw_only=True):
@@ -72,6 +71,44 @@ class SaveBody(_Body):
     model_id: str
     seq_id: int
     path: str | None = None
+    sampling_session_seq_id: int | None = None
+
+
+class CreateSamplerBody(_Body):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class EncodedText(_Body):
+    tokens: list[int]
+    type: str = "encoded_text"
+
+
+class Prompt(_Body):
+    chunks: list[dict[str, Any]]
+
+
+class SamplingParamsBody(_Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: Any = None  # a string, strings or token ids: wire.stops
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class SampleBody(_Body):
+    sampling_session_id: str
+    seq_id: int
+    prompt: Prompt
+    sampling_params: SamplingParamsBody
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
 
 
 class LoadBody(_Body):
@@ -93,10 +130,12 @@ def make_app(gw: Gateway) -> FastAPI:
     async def api_error(_request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse({"detail": e.detail}, status_code=e.status)
 
+    def key_of(request: Request) -> str:
+        return request.headers.get("x-api-key", "").removeprefix("tml-")
+
     async def caller(request: Request) -> str:
-        key = request.headers.get("x-api-key", "")
         try:
-            return (await gw.users.authenticate(key.removeprefix("tml-"))).name
+            return (await gw.users.authenticate(key_of(request))).name
         except AuthError as e:
             raise ApiError(401, f"{e.reason} (send X-API-Key: tml-<your OpenTinker API key>)") from None
 
@@ -160,15 +199,14 @@ def make_app(gw: Gateway) -> FastAPI:
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> Response:
         user = await caller(request)
-        await gw.finish(user, session_id)
+        await gw.finish(user, session_id, key_of(request))
         return Response(status_code=204)
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict:
         user, b = await body(request, CreateModelBody)
         lora = b.lora_config or LoraConfig()
-        job_id = await gw.create_model(user, request.headers.get("x-api-key", "").removeprefix("tml-"),
-                                       b.session_id, b.model_seq_id, b.base_model, lora.rank, lora.seed,
+        job_id = await gw.create_model(user, key_of(request), b.session_id, b.model_seq_id, b.base_model, lora.rank, lora.seed,
                                        attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
         return {"request_id": wire.request_id(job_id, 0), "model_id": wire.model_of_job(job_id)}
 
@@ -210,16 +248,18 @@ def make_app(gw: Gateway) -> FastAPI:
         return {"request_id": await gw.submit(await save_op(user, b, "save_sampler")), "model_id": b.model_id}
 
     async def save_op(user: str, b: SaveBody, kind: str) -> TinkerOp:
+        """A save; save_weights_and_get_sampling_client names no path: its weights are
+        saved as `sampler-<sampling_session_seq_id>` and a sampling session opens on them."""
         job_id = await gw.own_model(user, b.model_id)
-        error = ""
-        if not b.path:
-            error = NOT_SERVED if kind == "save_sampler" else "path: a name is required"
-        else:
-            try:
-                wire.check_name(b.path)
-            except wire.WireError as e:
-                error = str(e)
-        return TinkerOp(job_id=job_id, seq_id=b.seq_id, op=kind, name=b.path or "", error=error)
+        error, name, session = "", b.path or "", -1
+        if not name and kind == "save_sampler" and b.sampling_session_seq_id is not None:
+            name, session = f"sampler-{b.sampling_session_seq_id}", b.sampling_session_seq_id
+        try:
+            wire.check_name(name)
+        except wire.WireError as e:
+            error = str(e)
+        return TinkerOp(job_id=job_id, seq_id=b.seq_id, op=kind, name=name, error=error,
+                        sampling_session_seq_id=session)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -243,15 +283,46 @@ def make_app(gw: Gateway) -> FastAPI:
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         user, b = await body(request, RetrieveBody)
-        answer = await gw.retrieve(user, b.request_id)
+        answer = await gw.retrieve(user, b.request_id, key_of(request))
         if isinstance(answer, bytes):
             return Response(answer, media_type=PROTOBUF)
         return JSONResponse(answer)
 
     @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict:
+        user, b = await body(request, CreateSamplerBody)
+        sid = await gw.create_sampler(user, key_of(request), b.session_id, b.sampling_session_seq_id,
+                                      b.base_model, b.model_path)
+        return {"sampling_session_id": sid}
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def sampler(sampler_id: str, request: Request) -> dict:
+        return await gw.sampler_info(await caller(request), sampler_id)
+
     @app.post("/api/v1/asample")
-    async def sampling(request: Request) -> Response:
-        await caller(request)
-        raise ApiError(400, NOT_SERVED)
+    async def asample(request: Request) -> dict:
+        user, b = await body(request, SampleBody)
+        for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if getattr(b, field):
+                raise ApiError(400, f"{field}: top-k logprobs are not served")
+        tokens: list[int] = []
+        for c in b.prompt.chunks:
+            if c.get("type") != "encoded_text":
+                raise ApiError(400, f"prompt: {c.get('type')!r} chunks are not served (text only)")
+            tokens += msgspec.convert(c, EncodedText).tokens
+        p = b.sampling_params
+        if p.top_k not in (-1, 0):
+            raise ApiError(400, "sampling_params.top_k: only -1 (no top-k) is served")
+        try:
+            stop_tokens, stop_strings = wire.stops(p.stop)
+            req = msgspec.convert(dict(job_id="", sampler=b.sampling_session_id, seq_id=b.seq_id, tokens=tokens,
+                                       num_samples=b.num_samples, max_tokens=p.max_tokens or 16,
+                                       temperature=p.temperature, top_p=p.top_p, stop_tokens=stop_tokens,
+                                       stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs),
+                                  TinkerSample)
+        except (wire.WireError, msgspec.ValidationError) as e:
+            raise ApiError(400, str(e)) from None
+        rid = await gw.sample(user, req)
+        return {"request_id": rid, "sample_sequence_ids": [f"{rid}.{i}" for i in range(req.num_samples)]}
 
     return app

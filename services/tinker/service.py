@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import logging
 from pathlib import Path
 
@@ -38,7 +39,10 @@ SERVICE = "tinker"
 
 
 async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
-    gw = Gateway(bus, settings.home)
+    admin_key = ""
+    if os.environ.get("OPENTINKER_ADMIN_KEY_FILE"):  # the reaper cancels idle sessions' sampling jobs with it
+        admin_key = Path(os.environ["OPENTINKER_ADMIN_KEY_FILE"]).read_text().strip()
+    gw = Gateway(bus, settings.home, admin_key=admin_key or os.environ.get("OPENTINKER_ADMIN_KEY", ""))
     server = await serve_http(make_app(gw), settings.tinker_host, settings.tinker_port)
     url = f"http://{settings.tinker_host}:{server.port}"
     (Path(settings.home) / "tinker.json").write_text(json.dumps({"base_url": url}))

@@ -13,17 +13,21 @@ export their policy and complete.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import time
 from typing import Any
 
 import msgspec
 import nats.errors
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from opentinker.schemas import JobSpec, SubmitJob, SubmitReply, decode, encode
+from opentinker.schemas import (CancelJob, CancelReply, JobSpec, SubmitJob, SubmitReply, WeightsPublished, decode,
+                                encode)
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import TinkerOp, TinkerResult, TinkerSession
+from opentinker.schemas.tinker import (TinkerOp, TinkerResult, TinkerSample, TinkerSampler, TinkerSamples,
+                                       TinkerSession, sampler_object)
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.models import DEFAULT_MODEL, resolve_model
 from opentinker.services.core.users import Users
@@ -35,8 +39,11 @@ SESSION_TTL_S = 300.0     # no heartbeat this long (the SDK beats every 10 s): f
 POLL_S = 25.0             # a retrieve_future waits this long before "try again" (SDK timeout 45 s)
 POLL_EVERY_S = 0.05
 MAX_MODELS_PER_SESSION = 64
+# Tinker's train_attn / train_mlp choose these; train_unembed is not served (the small
+# models here tie the unembedding to the embedding, which a merged adapter would change)
 LORA_MODULES = {"attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"],
-                "unembed": ["lm_head"]}
+                "unembed": []}
+PLACEMENT_WAIT_S = 30.0
 TINKER_LORA_ALPHA = 32
 
 
@@ -52,9 +59,10 @@ class ApiError(Exception):
 class Gateway:
     """The Tinker API's state and calls over one bus connection (module docstring)."""
 
-    def __init__(self, bus: Bus, home: str, chunk_bytes: int = S.TINKER_CHUNK_BYTES):
+    def __init__(self, bus: Bus, home: str, chunk_bytes: int = S.TINKER_CHUNK_BYTES, admin_key: str = ""):
         self.bus = bus
         self.home = home
+        self.admin_key = admin_key
         self.users = Users(bus)
         self.chunk_bytes = chunk_bytes
         self._owners: dict[str, str] = {}  # job id -> user (a record's user never changes)
@@ -98,24 +106,38 @@ class Gateway:
         except KeyWrongLastSequenceError:
             pass  # another write to it landed first: it is alive all the same
 
-    async def finish(self, user: str, session_id: str) -> None:
+    async def finish(self, user: str, session_id: str, api_key: str) -> None:
         s, rev = await self._session(user, session_id)
-        await self._finish(s, rev)
+        await self._finish(s, rev, api_key)
 
-    async def _finish(self, s: TinkerSession, rev: int) -> None:
+    async def _finish(self, s: TinkerSession, rev: int, api_key: str) -> None:
+        """Close the session's models (their learners export and complete) and cancel
+        its sampling sessions' inference jobs, as the user (`api_key`; the reaper has
+        none and uses the operator's admin key when the service was given one)."""
         if not s.finished_s:
             await self._put(msgspec.structs.replace(s, finished_s=time.time()), rev)
         for n in range(s.models):
             job_id = f"{s.session_id}-m{n}"
             await self.bus.publish(S.tinker_close(job_id), TinkerOp(job_id=job_id, seq_id=0, op="close"),
                                    msg_id=f"{job_id}:close")
-        log.info("session %s finished (%d models)", s.session_id, s.models)
+        key = api_key or self.admin_key
+        if s.samplers and not key:
+            log.warning("session %s: no key to cancel its sampling job with (give the service "
+                        "OPENTINKER_ADMIN_KEY_FILE); it runs until cancelled", s.session_id)
+        elif s.samplers:
+            with contextlib.suppress(nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                await self.bus.request(S.CANCEL, CancelJob(job_id=wire.sampling_job(s.session_id),
+                                                           reason="tinker session finished", api_key=key),
+                                       CancelReply, timeout_s=10)
+        log.info("session %s finished (%d models, %d sampling sessions)", s.session_id, s.models, s.samplers)
 
     async def reap(self, now: float | None = None) -> list[str]:
         """Finish the sessions with no heartbeat for SESSION_TTL_S; returns their ids."""
         now = time.time() if now is None else now
         out = []
         for key, (value, rev) in (await self.bus.kv_values(S.KV_TINKER)).items():
+            if not wire.SESSION_RE.match(key):
+                continue  # a sampling session's record
             try:
                 s = decode(value, TinkerSession)
             except msgspec.MsgspecError:
@@ -123,7 +145,7 @@ class Gateway:
                 continue
             if not s.finished_s and now - s.heartbeat_s > SESSION_TTL_S:
                 try:
-                    await self._finish(s, rev)
+                    await self._finish(s, rev, "")
                 except KeyWrongLastSequenceError:
                     continue  # it beat meanwhile
                 out.append(s.session_id)
@@ -151,21 +173,34 @@ class Gateway:
                            seed=seed if seed is not None else 0)
         except (msgspec.ValidationError, TypeError, ValueError) as e:
             raise ApiError(400, f"create_model: {e}") from None
+        await self._submit_job(user, api_key, job_id, spec, "train", "create_model")
+        await self._count(user, session_id, models=n + 1)
+        return job_id
+
+    async def _submit_job(self, user: str, api_key: str, job_id: str, spec: JobSpec, kind: str, what: str) -> None:
+        """Submit `job_id` as the user (the scheduler checks the key and quota); a job of
+        that id the user already has counts as submitted (a retried call)."""
         try:
-            reply = await self.bus.request(S.SUBMIT, SubmitJob(spec=spec, job_id=job_id, api_key=api_key),
+            reply = await self.bus.request(S.SUBMIT, SubmitJob(spec=spec, job_id=job_id, kind=kind, api_key=api_key),
                                            SubmitReply, timeout_s=30)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             raise ApiError(503, "the scheduler does not answer") from None
         if not reply.ok:
-            raise ApiError(400, f"create_model: {reply.field}: {reply.error}" if reply.field else reply.error)
+            got = await self.bus.job_record(job_id) if reply.field == "job_id" else None
+            if got is None or got[0].user != user:
+                raise ApiError(400, f"{what}: {reply.field}: {reply.error}" if reply.field else reply.error)
         self._owners[job_id] = user
+
+    async def _count(self, user: str, session_id: str, **at_least: int) -> None:
+        """Raise the session's model / sampler counts to at least the given ones."""
         while True:
+            s, rev = await self._session(user, session_id)
+            changes = {k: max(getattr(s, k), v) for k, v in at_least.items()}
             try:
-                await self._put(msgspec.structs.replace(s, models=max(s.models, n + 1)), rev)
-                break
+                await self._put(msgspec.structs.replace(s, **changes), rev)
+                return
             except KeyWrongLastSequenceError:
-                s, rev = await self._session(user, session_id)
-        return job_id
+                continue
 
     async def own_model(self, user: str, mid: str) -> str:
         """The job id of model `mid` if it is `user`'s; ApiError 404 otherwise."""
@@ -198,6 +233,98 @@ class Gateway:
         return {"model_id": mid, "model_name": spec.model, "is_lora": True, "lora_rank": spec.lora_rank,
                 "model_data": {"model_name": spec.model, "tokenizer_id": tokenizer, "arch": ""}}
 
+    # -- sampling sessions ----------------------------------------------------------
+
+    async def create_sampler(self, user: str, api_key: str, session_id: str, n: int, base_model: str | None,
+                             model_path: str | None) -> str:
+        """Sampling session `n` of the session: the base model, with the sampler weights
+        at `model_path` (a save_weights_for_sampler path of the user's) when given.
+        Every sampling session of a Tinker session is served by one inference job of the
+        user, `<session>-sampling`, submitted with the first. Returns its id."""
+        s, _ = await self._session(user, session_id)
+        if s.finished_s:
+            raise ApiError(410, f"session {session_id} has finished")
+        if not 0 <= n < 1_000_000:
+            raise ApiError(400, f"sampling_session_seq_id: {n}")
+        weights = None
+        if model_path:
+            try:
+                mid, kind, name = wire.parse_save_path(model_path)
+            except wire.WireError as e:
+                raise ApiError(400, str(e)) from None
+            if kind != "sampler_weights":
+                raise ApiError(400, f"model_path: {model_path!r} is a training state; sample from a "
+                                    "save_weights_for_sampler path")
+            src = await self.own_model(user, mid)
+            weights = await self._sampler_event(src, name)
+            base_model = (await self.bus.job_record(src))[0].spec.model
+        if not base_model:
+            raise ApiError(400, "create_sampling_session: base_model or model_path is required")
+        job_id = wire.sampling_job(session_id)
+        got = await self.bus.job_record(job_id)
+        if got is None:
+            spec = JobSpec(name=f"tinker-{session_id}", model=base_model, rollout_workers=1)
+            await self._submit_job(user, api_key, job_id, spec, "inference", "create_sampling_session")
+        elif got[0].spec.model != base_model:
+            raise ApiError(400, f"base_model: this session samples {got[0].spec.model!r}; one base model per "
+                                "session's sampling clients (open another ServiceClient for another)")
+        sid = wire.sampler_job(session_id, n)
+        rec = TinkerSampler(sampler_id=sid, session_id=session_id, user=user, base_model=base_model,
+                            model_path=model_path or "", weights=weights, created_s=time.time())
+        await (await self.bus.kv(S.KV_TINKER)).put(sid, encode(rec))
+        await self._count(user, session_id, samplers=n + 1)
+        return sid
+
+    async def _sampler_event(self, src_job: str, name: str) -> WeightsPublished:
+        """A weight event for the adapter tinker job `src_job` saved as `name`."""
+        obj = sampler_object(src_job, name)
+        try:
+            data = await self.bus.get_object(S.OBJ_WEIGHTS, obj)
+        except NotFoundError:
+            raise ApiError(404, f"model_path: no sampler weights {name!r} of {wire.model_of_job(src_job)}") from None
+        spec = (await self.bus.job_record(src_job))[0].spec
+        return WeightsPublished(job_id=src_job, policy_version=1, kind="lora", uri=f"nats-os://{S.OBJ_WEIGHTS}/{obj}",
+                                sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                                lora_rank=spec.lora_rank, lora_alpha=spec.lora_alpha,
+                                target_modules=list(spec.lora_target_modules), time_s=time.time())
+
+    async def _sampler(self, user: str, sid: str) -> TinkerSampler:
+        """The user's sampling session `sid`; ApiError 404 for another's or none."""
+        try:
+            wire.check_sampler(sid)
+            entry = await (await self.bus.kv(S.KV_TINKER)).get(sid)
+            rec = decode(entry.value, TinkerSampler)
+        except (wire.WireError, KeyNotFoundError, msgspec.MsgspecError):
+            raise ApiError(404, f"no sampling session {sid!r}") from None
+        if rec.user != user:
+            raise ApiError(404, f"no sampling session {sid!r}")
+        return rec
+
+    async def sampler_info(self, user: str, sid: str) -> dict[str, Any]:
+        rec = await self._sampler(user, sid)
+        return {"sampler_id": sid, "base_model": rec.base_model, "model_path": rec.model_path or None}
+
+    async def sample(self, user: str, req: TinkerSample) -> str:
+        """Send `req` (for sampling session `req.sampler`) to the rollout worker of the
+        session's inference job, waiting up to PLACEMENT_WAIT_S for its placement.
+        Returns the future's request id."""
+        rec = await self._sampler(user, req.sampler)
+        job_id = wire.sampling_job(rec.session_id)
+        deadline = time.monotonic() + PLACEMENT_WAIT_S
+        while True:
+            job, _ = await self.bus.job_record(job_id)
+            if job.state.terminal:
+                raise ApiError(410, f"the session's sampling job {job_id} is {job.state.value}")
+            if job.placement is not None and job.placement.rollout:
+                break
+            if time.monotonic() > deadline:
+                raise ApiError(503, f"the session's sampling job {job_id} has no rollout worker yet")
+            await asyncio.sleep(0.2)
+        req = msgspec.structs.replace(req, job_id=job_id, attempt=job.attempt, weights=rec.weights)
+        await self.bus.publish(S.rollout(job_id, job.placement.rollout[0]), req,
+                               msg_id=f"{req.sampler}:sample{req.seq_id}")
+        return wire.request_id(req.sampler, req.seq_id)
+
     def known_models(self) -> list[str]:
         return [DEFAULT_MODEL]
 
@@ -211,38 +338,54 @@ class Gateway:
         await self.bus.publish(S.tinker_op(op.job_id, op.seq_id), op, msg_id=f"{op.job_id}:op{op.seq_id}")
         return wire.request_id(op.job_id, op.seq_id)
 
-    async def retrieve(self, user: str, rid: str) -> dict[str, Any] | bytes:
-        """A future's answer: its result (JSON, or protobuf bytes for forward and
-        forward_backward), a failure, or "try again" after POLL_S."""
+    async def retrieve(self, user: str, rid: str, api_key: str) -> dict[str, Any] | bytes:
+        """A future's answer: its result (JSON, or protobuf bytes for forward,
+        forward_backward and sample), a failure, or "try again" after POLL_S. A
+        save_weights_and_get_sampling_client result opens its sampling session first."""
         try:
             job_id, seq = wire.parse_request_id(rid)
         except wire.WireError as e:
             raise ApiError(404, str(e)) from None
-        await self._own_job(user, job_id, f"no request {rid!r}")
+        if wire.SAMPLER_RE.match(job_id):
+            await self._sampler(user, job_id)
+            watched = wire.sampling_job(wire.session_of_job(job_id))
+        else:
+            await self._own_job(user, job_id, f"no request {rid!r}")
+            watched = job_id
         deadline = time.monotonic() + POLL_S
         checked = 0.0
         while True:
             raw = await self.bus.last_message(S.tinker_result(job_id, seq))
             if raw is not None:
-                return self._answer(decode(raw.data, TinkerResult), job_id)
+                return await self._answer(user, api_key, raw.data, job_id)
             if time.monotonic() - checked > 2.0:  # a job that ended will never answer
                 checked = time.monotonic()
-                got = await self.bus.job_record(job_id)
+                got = await self.bus.job_record(watched)
                 if got is not None and got[0].state.terminal:
                     raw = await self.bus.last_message(S.tinker_result(job_id, seq))
                     if raw is not None:
-                        return self._answer(decode(raw.data, TinkerResult), job_id)
+                        return await self._answer(user, api_key, raw.data, job_id)
                     rec = got[0]
-                    return {"error": f"the model's job {job_id} is {rec.state.value}"
+                    return {"error": f"job {watched} is {rec.state.value}"
                                      + (f": {rec.reason}" if rec.reason else ""), "category": "server"}
             if time.monotonic() > deadline:
                 return {"type": "try_again", "request_id": rid, "queue_state": "active"}
             await asyncio.sleep(POLL_EVERY_S)
 
-    def _answer(self, r: TinkerResult, job_id: str) -> dict[str, Any] | bytes:
+    async def _answer(self, user: str, api_key: str, data: bytes, job_id: str) -> dict[str, Any] | bytes:
+        if wire.SAMPLER_RE.match(job_id):
+            samples = decode(data, TinkerSamples)
+            if samples.error:
+                return {"error": samples.error, "category": samples.category}
+            return wire.sample_response(samples)
+        r = decode(data, TinkerResult)
         mid = wire.model_of_job(job_id)
         if r.error:
             return {"error": r.error, "category": r.category}
+        if r.op == "save_sampler" and r.sampling_session_seq_id >= 0:
+            sid = await self.create_sampler(user, api_key, wire.session_of_job(job_id), r.sampling_session_seq_id,
+                                            None, wire.save_path(mid, "sampler_weights", r.path.partition("/")[2]))
+            return {"sampling_session_id": sid}
         if r.op == "ready":
             return {"model_id": mid}
         if r.op in ("forward", "forward_backward"):

@@ -8,7 +8,8 @@ as one BatchedTensor with byte offsets.
 
 Names: a session is `ts-<10 hex>`; its n-th model is Tinker's model id
 `<session>:train:<n>` (the form the SDK derives itself) and our job `<session>-m<n>`;
-a future's request id is `<job>.<seq_id>`; saves are `tinker://<model_id>/weights/<name>`
+its n-th sampling session is `<session>-s<n>` (the id the SDK is given), all of them
+served by the session's inference job `<session>-sampling`; a future's request id is `<job>.<seq_id>`; saves are `tinker://<model_id>/weights/<name>`
 (training state) and `tinker://<model_id>/sampler_weights/<name>` (sampler weights).
 """
 
@@ -24,7 +25,8 @@ from opentinker.schemas.tinker import CHECKPOINT_NAME_RE, MAX_TINKER_DATUMS, Tin
 SESSION_RE = re.compile(r"^ts-[0-9a-f]{10}$")
 MODEL_RE = re.compile(r"^(ts-[0-9a-f]{10}):train:(\d{1,6})$")
 JOB_RE = re.compile(r"^(ts-[0-9a-f]{10})-m(\d{1,6})$")
-REQUEST_RE = re.compile(r"^(ts-[0-9a-f]{10}-m\d{1,6})\.(\d{1,15})$")
+SAMPLER_RE = re.compile(r"^(ts-[0-9a-f]{10})-s(\d{1,6})$")
+REQUEST_RE = re.compile(r"^(ts-[0-9a-f]{10}-[ms]\d{1,6})\.(\d{1,15})$")
 PATH_RE = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
 MAX_TOKENS_PER_DATUM = 131_072
 
@@ -57,7 +59,25 @@ def model_of_job(job_id: str) -> str:
 
 
 def session_of_job(job_id: str) -> str:
-    return job_id.rpartition("-m")[0]
+    """The session of a model job, sampling session or sampling job id."""
+    return "-".join(job_id.split("-")[:2])
+
+
+def sampler_job(session_id: str, n: int) -> str:
+    """The id of sampling session `n` (a KV record, and its results' subject token)."""
+    return f"{session_id}-s{n}"
+
+
+def sampling_job(session_id: str) -> str:
+    """The inference job serving every sampling session of a Tinker session."""
+    return f"{session_id}-sampling"
+
+
+def check_sampler(sid: str) -> str:
+    """`sid` if it names a sampling session of this server; raises WireError."""
+    if not SAMPLER_RE.match(sid or ""):
+        raise WireError(f"sampling_session_id: {sid!r} is not a sampling session of this server")
+    return sid
 
 
 def request_id(job_id: str, seq_id: int) -> str:
@@ -192,3 +212,36 @@ def forward_backward_output(r: TinkerResult) -> bytes:
     for k, v in r.metrics.items():
         out.metrics[k] = float(v)
     return out.SerializeToString()
+
+
+# -- sampling ---------------------------------------------------------------------
+
+def sample_response(r) -> bytes:
+    """The serialized tinker_public.SampleResponse of a TinkerSamples: per sequence its
+    int32 tokens, float32 logprobs and stop reason; the prompt logprobs (NaN first)."""
+    pb = _pb()
+    out = pb.SampleResponse()
+    for s in r.sequences:
+        seq = out.sequences.add(stop_reason=pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH)
+        seq.tokens = np.asarray(s.tokens, "<i4").tobytes()
+        seq.logprobs = np.asarray(s.logprobs, "<f4").tobytes()
+    if r.prompt_logprobs:
+        out.prompt_logprobs = np.asarray(r.prompt_logprobs, "<f4").tobytes()
+    return out.SerializeToString()
+
+
+def stops(stop) -> tuple[list[int], list[str]]:
+    """(stop token ids, stop strings) of Tinker's `sampling_params.stop`: None (the
+    model's own end of sequence), a string, strings or token ids. Raises WireError for
+    `[]` (Tinker's "no stop at all, not even end of sequence", which is not served)."""
+    if stop is None:
+        return [], []
+    if isinstance(stop, str):
+        return [], [stop]
+    if isinstance(stop, list) and not stop:
+        raise WireError("sampling_params.stop: [] (sampling past the end-of-sequence token) is not served")
+    if isinstance(stop, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in stop):
+        return list(stop), []
+    if isinstance(stop, list) and all(isinstance(x, str) and x for x in stop):
+        return [], list(stop)
+    raise WireError("sampling_params.stop: a string, a list of strings or a list of token ids")

@@ -1,9 +1,11 @@
 """The official `tinker` SDK (pinned in the server extra), unchanged, against the stack's
-Tinker API: scheduler, learner and the tinker service on a real nats-server, the tiny
-model. A supervised loop whose loss falls; every loss function's `loss:sum` against a
-hand computation from the logprobs the server returns; a save_state / load_state round
-trip; wrong keys refused; another tenant's models, futures and saves unreachable;
-what is not served fails at once, naming itself."""
+Tinker API: scheduler, learner, a rollout worker and the tinker service on a real
+nats-server, SmolLM2-135M-Instruct (the tiny model where learning does not matter). A
+supervised loop whose loss falls; every loss function's `loss:sum` against a hand
+computation from the logprobs the server returns; a save_state / load_state round
+trip; an RL loop (sample, score, importance-sampling step) whose reward rises; prompt
+logprobs and stop tokens; wrong keys refused; another tenant's models, futures and
+saves unreachable; what is not served fails at once, naming itself."""
 
 import asyncio
 import math
@@ -50,6 +52,7 @@ async def stack(services, bus, job_id):
     port = free_port()
     for name in ("scheduler", "learner"):
         services.start(name)
+    services.start("rollout", "engine=hf")
     services.start("tinker", f"tinker_port={port}")
     users = Users(bus)
     keys = {}
@@ -68,20 +71,20 @@ async def stack(services, bus, job_id):
     return base, keys
 
 
-async def test_the_official_sdk_trains_saves_and_loads(stack, tiny_model, bus, services):
+async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, services):
     base, keys = stack
 
     def session(sc):
-        tc = sc.create_lora_training_client(base_model=tiny_model, rank=4, seed=0).result()
+        tc = sc.create_lora_training_client(base_model=smollm2, rank=4, seed=0).result()
         tok = tc.get_tokenizer()  # the model's own folder: no hub
         info = tc.get_info()
-        assert info.model_data.model_name == tiny_model and tok.vocab_size > 0
+        assert info.model_data.model_name == smollm2 and tok.vocab_size > 0
         ids = tok.encode("The quick brown fox jumps over the lazy dog.")[:12]
         sl = [datum(ids, weights=[0.0] * 3 + [1.0] * (len(ids) - 4))]
         losses, out = [], None
         for _ in range(8):
             fb = tc.forward_backward(sl, "cross_entropy")
-            opt = tc.optim_step(tinker.AdamParams(learning_rate=5e-3))
+            opt = tc.optim_step(tinker.AdamParams(learning_rate=1e-3))
             out = fb.result()
             opt.result()
             losses.append(out.metrics["loss:sum"])
@@ -120,9 +123,6 @@ async def test_the_official_sdk_trains_saves_and_loads(stack, tiny_model, bus, s
         moved = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         tc.load_state_with_optimizer(path).result()
         back = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-        sampler = tc.save_weights_for_sampler("snap").result().path
-        with pytest.raises(Exception, match="sampling is not served"):
-            sc.create_sampling_client(model_path=sampler).result()
         return losses, path, before, moved, back, tc.model_id
 
     losses, path, before, moved, back, mid = await asyncio.to_thread(run_sdk, base, keys["alice"], session)
@@ -187,3 +187,52 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services):
         return tc.save_state("still-fine").result().path
 
     assert (await asyncio.to_thread(run_sdk, base, keys["bob"], bob_loads_alices_save)).endswith("/weights/still-fine")
+
+
+def rl_datum(prompt: list[int], seq, advantage: float) -> "tinker.Datum":
+    """An RL datum as tinker-cookbook builds one: the prompt and the completion, the
+    sampler's logprobs and the advantage on the completion's tokens only."""
+    full = prompt + list(seq.tokens)
+    zeros = [0.0] * (len(prompt) - 1)
+    return datum(full, logprobs=zeros + list(seq.logprobs), advantages=zeros + [advantage] * len(seq.tokens))
+
+
+async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
+    """sample -> score -> importance_sampling step, through a sampling client on the
+    newest weights each iteration (save_weights_and_get_sampling_client), on
+    SmolLM2-135M-Instruct. The task: answer a yes-or-no question, reward 1 for a reply
+    that starts with "Yes" (the base model's about one in four)."""
+    base, keys = stack
+
+    def loop(sc):
+        tc = sc.create_lora_training_client(base_model=smollm2, rank=8, seed=0).result()
+        tok = tc.get_tokenizer()
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Answer yes or no: is water wet?"}],
+                                                    add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+        params = tinker.SamplingParams(max_tokens=3, temperature=1.0)
+        rewards = []
+        for _ in range(8):
+            sampler = tc.save_weights_and_get_sampling_client()
+            res = sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=16, sampling_params=params).result()
+            texts = [tok.decode(s.tokens).strip() for s in res.sequences]
+            r = np.array([float(t.lower().startswith("yes")) for t in texts])
+            rewards.append(float(r.mean()))
+            if r.std() > 0:
+                data = [rl_datum(prompt, s, float(a)) for s, a in zip(res.sequences, r - r.mean())]
+                tc.forward_backward(data, "importance_sampling")
+            tc.optim_step(tinker.AdamParams(learning_rate=2e-3)).result()
+        # prompt logprobs and a stop token, on the base model through create_sampling_client
+        base_sampler = sc.create_sampling_client(base_model=smollm2).result()
+        eos = tok.eos_token_id
+        one = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=2, include_prompt_logprobs=True,
+                                  sampling_params=tinker.SamplingParams(max_tokens=6, stop=[eos])).result()
+        return rewards, one, len(prompt)
+
+    rewards, one, n_prompt = await asyncio.to_thread(run_sdk, base, keys["alice"], loop)
+    print(f"reward by iteration: {[round(x, 3) for x in rewards]}")
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
+    assert len(one.sequences) == 2 and all(1 <= len(s.tokens) <= 6 for s in one.sequences)
+    assert all(s.logprobs is not None and len(s.logprobs) == len(s.tokens) for s in one.sequences)
+    assert len(one.prompt_logprobs) == n_prompt and one.prompt_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in one.prompt_logprobs[1:])
