@@ -114,6 +114,20 @@ async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, serv
         with pytest.raises(tinker.RequestFailedError, match="beta"):
             tc.forward(rl, "dro").result()
 
+        # forward_backward_custom: the SDK differentiates the user's loss on the logprobs of
+        # a forward pass and sends -dL/dlogprobs as cross_entropy weights
+        def custom(data, logprobs_list):
+            import torch
+
+            loss = sum((-lp * torch.tensor(d.loss_fn_inputs["weights"].to_numpy())).sum()
+                       for d, lp in zip(data, logprobs_list))
+            return loss, {"custom:sum": float(loss)}
+
+        ce = tc.forward(sl, "cross_entropy").result().metrics["loss:sum"]
+        cust = tc.forward_backward_custom(sl, custom).result()
+        assert cust.metrics["loss:sum"] == pytest.approx(ce, rel=1e-4)
+        assert cust.metrics["surrogate_loss:sum"] == pytest.approx(ce, rel=1e-4)
+
         # save_state / load_state: the saved weights and optimizer come back
         path = tc.save_state("ckpt-a").result().path
         before = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
@@ -213,7 +227,7 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
         params = tinker.SamplingParams(max_tokens=3, temperature=1.0)
         rewards = []
         for _ in range(8):
-            sampler = tc.save_weights_and_get_sampling_client()
+            sampler = tc.save_weights_and_get_sampling_client().result()
             res = sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=16, sampling_params=params).result()
             texts = [tok.decode(s.tokens).strip() for s in res.sequences]
             r = np.array([float(t.lower().startswith("yes")) for t in texts])
