@@ -152,12 +152,12 @@ def make_app(gw: Gateway) -> FastAPI:
     async def read(request: Request) -> bytes:
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise ApiError(413, f"body: over {MAX_BODY_BYTES} bytes")
-        raw = b""
+        raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
                 raise ApiError(413, f"body: over {MAX_BODY_BYTES} bytes")
-        return raw
+        return bytes(raw)
 
     @app.get("/api/v1/healthz")
     async def healthz() -> dict:

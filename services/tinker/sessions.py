@@ -117,7 +117,7 @@ class Gateway:
         if not s.finished_s:
             await self._put(msgspec.structs.replace(s, finished_s=time.time()), rev)
         for n in range(s.models):
-            job_id = f"{s.session_id}-m{n}"
+            job_id = wire.model_job(s.session_id, n)
             await self.bus.publish(S.tinker_close(job_id), TinkerOp(job_id=job_id, seq_id=0, op="close"),
                                    msg_id=f"{job_id}:close")
         key = api_key or self.admin_key
@@ -157,7 +157,7 @@ class Gateway:
                            rank: int, seed: int | None, attn: bool, mlp: bool, unembed: bool) -> str:
         """Submit model `n` of the session as a tinker job of `user` (the scheduler checks
         the key and the user's quota). Returns the job id."""
-        s, rev = await self._session(user, session_id)
+        s, _ = await self._session(user, session_id)
         if s.finished_s:
             raise ApiError(410, f"session {session_id} has finished")
         if not 0 <= n < MAX_MODELS_PER_SESSION:
@@ -166,7 +166,7 @@ class Gateway:
                    for m in LORA_MODULES[key]]
         if not modules:
             raise ApiError(400, "lora_config: train at least one of attn, mlp, unembed")
-        job_id = f"{session_id}-m{n}"
+        job_id = wire.model_job(session_id, n)
         try:
             spec = JobSpec(name=f"tinker-{session_id}", algorithm="tinker", model=base_model, lora_rank=rank,
                            lora_alpha=TINKER_LORA_ALPHA, lora_target_modules=modules,
@@ -179,7 +179,7 @@ class Gateway:
 
     async def _submit_job(self, user: str, api_key: str, job_id: str, spec: JobSpec, kind: str, what: str) -> None:
         """Submit `job_id` as the user (the scheduler checks the key and quota); a job of
-        that id the user already has counts as submitted (a retried call)."""
+        that id and kind the user already has counts as submitted (a retried call)."""
         try:
             reply = await self.bus.request(S.SUBMIT, SubmitJob(spec=spec, job_id=job_id, kind=kind, api_key=api_key),
                                            SubmitReply, timeout_s=30)
@@ -187,7 +187,7 @@ class Gateway:
             raise ApiError(503, "the scheduler does not answer") from None
         if not reply.ok:
             got = await self.bus.job_record(job_id) if reply.field == "job_id" else None
-            if got is None or got[0].user != user:
+            if got is None or got[0].user != user or got[0].kind != kind or got[0].spec.algorithm != spec.algorithm:
                 raise ApiError(400, f"{what}: {reply.field}: {reply.error}" if reply.field else reply.error)
         self._owners[job_id] = user
 

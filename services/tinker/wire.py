@@ -43,12 +43,17 @@ def model_id(session_id: str, n: int) -> str:
     return f"{session_id}:train:{n}"
 
 
+def model_job(session_id: str, n: int) -> str:
+    """Our job id of the session's n-th model."""
+    return f"{session_id}-m{n}"
+
+
 def job_of_model(mid: str) -> str:
     """Our job id for Tinker model id `mid`. Raises WireError for a malformed id."""
     m = MODEL_RE.match(mid or "")
     if not m:
         raise WireError(f"model_id: {mid!r} is not a model of this server (<session>:train:<n>)")
-    return f"{m.group(1)}-m{int(m.group(2))}"
+    return model_job(m.group(1), int(m.group(2)))
 
 
 def model_of_job(job_id: str) -> str:
