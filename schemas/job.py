@@ -164,6 +164,10 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     eval_temperature: Bounded(float, 0, 10, note="0 = greedy") = 0.0
     sft_data: str = ""
     sft_query: str = ""
+    # a tinker session's model that starts from a save_state: "<job_id>/<name>" (one of the
+    # user's own tinker jobs; the scheduler checks), with its optimizer state or not
+    tinker_init: str = ""
+    tinker_init_optimizer: bool = False
     sft_batch_size: Bounded(int, 1, 4096) = 16
     rollout_workers: Bounded(int, 1, 64) = 1
     learner_ranks: Bounded(int, 1, 64) = 1
@@ -247,6 +251,7 @@ def _ranges(struct: type, prefix: str = "") -> dict[str, Range]:
 # fields' Bounded types: one definition, for decode and validate_job_spec alike.
 RANGES: dict[str, Range] = _ranges(JobSpec)
 MAX_NAME_CHARS = 200
+TINKER_INIT_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}/[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 MAX_PATH_CHARS = 1024         # model, sft_data
 MAX_TARGET_MODULES = 64       # lora_target_modules entries
 MAX_TARGET_MODULE_CHARS = 100
@@ -310,6 +315,8 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
                "an SFT job needs exactly one of sft_data (a dataset file) or sft_query (SQL over the log)")
         _check(spec.learner_ranks == 1, "learner_ranks",
                f"an SFT job trains on one rank (got {spec.learner_ranks}); data parallel is for GRPO jobs")
+    _check(not spec.tinker_init or (spec.algorithm == "tinker" and TINKER_INIT_RE.match(spec.tinker_init) is not None),
+           "tinker_init", "only a tinker session starts from a save: <job_id>/<name>")
     if spec.algorithm == "tinker":
         _check(spec.learner_ranks == 1, "learner_ranks",
                f"a tinker session trains on one rank (got {spec.learner_ranks})")

@@ -2,7 +2,8 @@
 Tinker API `create_lora_training_client`, driven operation by operation.
 
 The job's assignment builds the engine (LoRA on the spec's model, one rank, ZeRO 0),
-announces readiness (TinkerResult seq 0), then executes the session's TinkerOps from
+loads the save it starts from (`tinker_init`, a create_training_client_from_state; a
+save that does not load fails the job with the reason), announces readiness (TinkerResult seq 0), then executes the session's TinkerOps from
 `ot.job.<id>.ops.*` strictly in `seq_id` order (an op that arrives early waits for
 the ones before it), publishing each TinkerResult on `ot.job.<id>.results.<seq>`
 before acking the op:
@@ -108,6 +109,8 @@ class TinkerRun(RunLifecycle):
                                "unsaved state does not survive that: create a training client from your "
                                "last save_state")
         await self.start()
+        if self.spec.tinker_init:  # create_training_client_from_state: the save first
+            await self.load_named(self.spec.tinker_init, self.spec.tinker_init_optimizer)
         d = S.tinker_ops_durable(self.job_id)
         sub = await self.bus.durable(d, ack_wait_s=OPS_ACK_WAIT_S)
         await self.respond(TinkerResult(job_id=self.job_id, seq_id=0, op="ready"))

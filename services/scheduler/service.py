@@ -228,7 +228,8 @@ class Scheduler:
 
     async def submit(self, cmd: SubmitJob, user: User) -> SubmitReply:
         """Record a checked job as QUEUED (placement follows). Refuses, naming the field:
-        a path in the spec outside the user's own area (access.check_spec_paths), more
+        a path in the spec outside the user's own area (access.check_spec_paths), a
+        tinker_init save of another user's job, more
         than `max_unfinished_jobs_per_user` unfinished jobs, a taken job id."""
         from opentinker.services.core.access import check_model_ref, confine_path
 
@@ -241,6 +242,9 @@ class Scheduler:
             changes = {"model": check_model_ref(cmd.spec.model, **rules)}
             if cmd.spec.sft_data:
                 changes["sft_data"] = str(confine_path(cmd.spec.sft_data, field="sft_data", **rules))
+            source = cmd.spec.tinker_init.partition("/")[0]
+            if source and not rules["admin"] and source not in rules["own_jobs"]:
+                raise SpecError("tinker_init", f"no job {source!r} of yours saved it")
         except SpecError as e:
             return SubmitReply(ok=False, error=str(e), field=e.field)
         cmd = msgspec.structs.replace(cmd, spec=msgspec.structs.replace(cmd.spec, **changes))

@@ -6,8 +6,8 @@ dropped, the rest checked against the stored argon2 hashes, core/users.py).
 
 A refusal the SDK must not retry is a 4xx with a JSON body (`{"detail": ...}`); an
 operation that fails once queued is a failed future (`{"error", "category"}`).
-Not served (400, naming it): create_training_client_from_state, top-k prompt
-logprobs, image inputs, `stop=[]`, optimizers other than Adam.
+Not served (400, naming it): top-k logprobs, `top_k`, image inputs, `stop=[]`;
+optimizers other than Adam fail their future.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ class LoadBody(_Body):
     model_id: str | None = None
     seq_id: int | None = None
     session_id: str | None = None
+    model_seq_id: int | None = None
     optimizer: bool = False
 
 
@@ -264,9 +265,12 @@ def make_app(gw: Gateway) -> FastAPI:
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
         user, b = await body(request, LoadBody)
-        if b.model_id is None or b.seq_id is None:
-            raise ApiError(400, "create_training_client_from_state is not served yet: create a LoRA training "
-                                "client and call load_state(path) on it")
+        if b.model_id is None or b.seq_id is None:  # create_training_client_from_state
+            if b.session_id is None or b.model_seq_id is None:
+                raise ApiError(400, "load_weights: model_id and seq_id, or session_id and model_seq_id")
+            job_id = await gw.create_from_state(user, key_of(request), b.session_id, b.model_seq_id, b.path,
+                                                b.optimizer)
+            return {"request_id": wire.request_id(job_id, 0), "model_id": wire.model_of_job(job_id)}
         job_id = await gw.own_model(user, b.model_id)
         error, path = "", ""
         try:

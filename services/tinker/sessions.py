@@ -202,6 +202,32 @@ class Gateway:
             except KeyWrongLastSequenceError:
                 continue
 
+    async def create_from_state(self, user: str, api_key: str, session_id: str, n: int, path: str,
+                                optimizer: bool) -> str:
+        """Model `n` of the session, started from the save_state at `path` (one of the
+        user's): the saving model's base model and LoRA, its weights (and optimizer
+        state with `optimizer`). Returns the job id; its readiness is the load's future."""
+        s, _ = await self._session(user, session_id)
+        if s.finished_s:
+            raise ApiError(410, f"session {session_id} has finished")
+        if not 0 <= n < MAX_MODELS_PER_SESSION:
+            raise ApiError(400, f"model_seq_id: {n} (0 to {MAX_MODELS_PER_SESSION - 1})")
+        try:
+            mid, kind, name = wire.parse_save_path(path)
+        except wire.WireError as e:
+            raise ApiError(400, str(e)) from None
+        if kind != "weights":
+            raise ApiError(400, f"path: {path!r} holds sampler weights; a training client starts from a save_state path")
+        src = await self.own_model(user, mid)
+        base = (await self.bus.job_record(src))[0].spec
+        job_id = wire.model_job(session_id, n)
+        spec = JobSpec(name=f"tinker-{session_id}", algorithm="tinker", model=base.model, lora_rank=base.lora_rank,
+                       lora_alpha=base.lora_alpha, lora_target_modules=list(base.lora_target_modules),
+                       seed=base.seed, tinker_init=f"{src}/{name}", tinker_init_optimizer=optimizer)
+        await self._submit_job(user, api_key, job_id, spec, "train", "create_training_client_from_state")
+        await self._count(user, session_id, models=n + 1)
+        return job_id
+
     async def own_model(self, user: str, mid: str) -> str:
         """The job id of model `mid` if it is `user`'s; ApiError 404 otherwise."""
         try:

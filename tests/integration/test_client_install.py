@@ -67,7 +67,7 @@ def _client_venv(where: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         src.mkdir(exist_ok=True)
         shutil.copy(ROOT / name, src / name)
-    for name in ("sdk", "cli", "ops", "schemas", "services"):
+    for name in ("sdk", "environment", "cli", "ops", "schemas", "services"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([uv, "pip", "install", "-q", "--python", str(py), str(src)],
                        capture_output=True, text=True, timeout=600,

@@ -15,7 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from opentinker.schemas import JobState
+from opentinker.schemas import JobSpec, JobState, SubmitJob, SubmitReply
+from opentinker.schemas import subjects as S
 from opentinker.services.core.nats_server import free_port
 from opentinker.services.core.users import Users
 
@@ -137,9 +138,9 @@ async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, serv
         moved = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         tc.load_state_with_optimizer(path).result()
         back = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-        return losses, path, before, moved, back, tc.model_id
+        return losses, path, before, moved, back, tc.model_id, sl
 
-    losses, path, before, moved, back, mid = await asyncio.to_thread(run_sdk, base, keys["alice"], session)
+    losses, path, before, moved, back, mid, sl = await asyncio.to_thread(run_sdk, base, keys["alice"], session)
     print(f"SFT loss by step: {[round(x, 3) for x in losses]}")
     assert losses[-1] < 0.5 * losses[0], losses
     assert path == f"tinker://{mid}/weights/ckpt-a"
@@ -153,7 +154,14 @@ async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, serv
         await asyncio.sleep(0.2)
     assert rec.state == JobState.COMPLETED, (rec, services.logs())
     assert (services.home / "checkpoints" / job / "final" / "adapter_config.json").exists()
-    return mid, path
+
+    # later, a new session resumes from the save (the SDK's preferred way; the first
+    # session's learner is free again: a training client holds a learner for its life)
+    def resume(sc):
+        tc = sc.create_training_client_from_state_with_optimizer(path).result()
+        return tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+    assert np.allclose(await asyncio.to_thread(run_sdk, base, keys["alice"], resume), before, atol=1e-5)
 
 
 async def test_keys_and_tenants(stack, tiny_model, bus, services):
@@ -193,6 +201,8 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services):
         assert r.status_code == 400
 
     def bob_loads_alices_save(sc):
+        with pytest.raises(tinker.NotFoundError, match="no model"):
+            sc.create_training_client_from_state(path).result()
         tc = sc.create_lora_training_client(base_model=tiny_model, rank=4).result()
         with pytest.raises(tinker.RequestFailedError, match="no model"):
             tc.load_state(path).result()
@@ -201,6 +211,11 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services):
         return tc.save_state("still-fine").result().path
 
     assert (await asyncio.to_thread(run_sdk, base, keys["bob"], bob_loads_alices_save)).endswith("/weights/still-fine")
+    # nor by submitting a tinker job naming alice's save directly
+    alices_job = mid.replace(":train:", "-m")
+    reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(algorithm="tinker", model=tiny_model, tinker_init=f"{alices_job}/mine"),
+                                                  api_key=keys["bob"].removeprefix("tml-")), SubmitReply)
+    assert not reply.ok and reply.field == "tinker_init", reply
 
 
 def rl_datum(prompt: list[int], seq, advantage: float) -> "tinker.Datum":
