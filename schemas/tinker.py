@@ -124,10 +124,7 @@ class TinkerResult(Message, frozen=True, kw_only=True):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     path: str = ""
     policy_version: Count = 0
-    # save_sampler: the saved adapter's SHA-256 (hex) and size, and the op's
-    # sampling_session_seq_id
-    sha256: str = ""
-    size_bytes: Count = 0
+    # save_sampler: the op's sampling_session_seq_id
     sampling_session_seq_id: int = -1
 
 

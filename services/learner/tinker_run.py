@@ -27,7 +27,6 @@ resume the session, and its redelivered assignment fails the job saying so.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import time
@@ -36,7 +35,6 @@ import numpy as np
 import torch
 from nats.aio.msg import Msg
 
-from opentinker.schemas import JobState
 from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, TinkerDatum, TinkerOp, TinkerResult, TinkerTensor,
                                        sampler_object)
@@ -194,7 +192,6 @@ class TinkerRun(RunLifecycle):
             data = await self.in_engine(self.engine.weights_bytes)
             await self.bus.put_object(S.OBJ_WEIGHTS, sampler_object(self.job_id, op.name), data)
             return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version,
-                                sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
                                 sampling_session_seq_id=op.sampling_session_seq_id)
         if op.op == "load_state":
             await self.load_named(op.path, op.optimizer)
@@ -230,10 +227,6 @@ class TinkerRun(RunLifecycle):
         await self.in_engine(self.engine.load_state, state_dir, optimizer)
         self.version = int(meta.get("policy_version", 0))
         self.step = int(meta.get("step", 0))
-
-    async def finish(self) -> None:
-        await self.in_engine(self.engine.save_pretrained, checkpoint.job_dir(self.settings.home, self.job_id) / "final")
-        await self.announce(JobState.COMPLETED)
 
     async def cleanup_bus(self) -> None:
         await self.bus.delete_durable(S.tinker_ops_durable(self.job_id))

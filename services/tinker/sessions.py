@@ -282,8 +282,9 @@ class Gateway:
                 raise ApiError(400, f"model_path: {model_path!r} is a training state; sample from a "
                                     "save_weights_for_sampler path")
             src = await self.own_model(user, mid)
-            weights = await self._sampler_event(src, name)
-            base_model = (await self.bus.job_record(src))[0].spec.model
+            src_spec = (await self.bus.job_record(src))[0].spec
+            weights = await self._sampler_event(src, src_spec, name)
+            base_model = src_spec.model
         if not base_model:
             raise ApiError(400, "create_sampling_session: base_model or model_path is required")
         job_id = wire.sampling_job(session_id)
@@ -301,14 +302,13 @@ class Gateway:
         await self._count(user, session_id, samplers=n + 1)
         return sid
 
-    async def _sampler_event(self, src_job: str, name: str) -> WeightsPublished:
-        """A weight event for the adapter tinker job `src_job` saved as `name`."""
+    async def _sampler_event(self, src_job: str, spec: JobSpec, name: str) -> WeightsPublished:
+        """A weight event for the adapter tinker job `src_job` (spec `spec`) saved as `name`."""
         obj = sampler_object(src_job, name)
         try:
             data = await self.bus.get_object(S.OBJ_WEIGHTS, obj)
         except NotFoundError:
             raise ApiError(404, f"model_path: no sampler weights {name!r} of {wire.model_of_job(src_job)}") from None
-        spec = (await self.bus.job_record(src_job))[0].spec
         return WeightsPublished(job_id=src_job, policy_version=1, kind="lora", uri=f"nats-os://{S.OBJ_WEIGHTS}/{obj}",
                                 sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
                                 lora_rank=spec.lora_rank, lora_alpha=spec.lora_alpha,
