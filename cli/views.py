@@ -38,8 +38,9 @@ def metric_series(job_id: str, data_dir: str | Path) -> dict[tuple[str, str], li
 
 
 def plot(job_id: str, data_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """One PNG per chart in CHARTS that the job has data for, plus `overview.png` with
-    them side by side. Returns the files written. Raises LookupError when the log holds
+    """One PNG per chart in CHARTS that the job has data for (and `agents.png`, each
+    seat's reward, for a multi-agent job), plus `overview.png` with them side by side.
+    Returns the files written. Raises LookupError when the log holds
     no metrics for the job."""
     import matplotlib
 
@@ -51,7 +52,12 @@ def plot(job_id: str, data_dir: str | Path, out_dir: str | Path) -> list[Path]:
         raise LookupError(f"no metrics for job {job_id} in {data_dir}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    present = {name: spec for name, spec in CHARTS.items() if any((k, s) in series for k, s, _ in spec[2])}
+    charts = dict(CHARTS)
+    seats = sorted(k.split("/", 1)[1] for k, s in series if k.startswith("reward_mean/") and s == "train")
+    if seats:  # a multi-agent job: one reward curve per seat
+        charts["agents"] = ("Reward by agent", "mean episode reward",
+                            [(f"reward_mean/{a}", "train", a) for a in seats])
+    present = {name: spec for name, spec in charts.items() if any((k, s) in series for k, s, _ in spec[2])}
     written = []
 
     def draw(ax, name: str) -> None:

@@ -31,6 +31,7 @@ from opentinker.schemas.control import (
 )
 from opentinker.schemas.deadletter import DeadLetter
 from opentinker.schemas.env import (
+    AgentOpening,
     EnvCloseRequest,
     EnvInitReply,
     EnvInitRequest,
@@ -64,7 +65,7 @@ __all__ = [
     "SCHEMA_VERSION", "Message", "decode", "encode", "schema_name", "schema_by_name",
     "CancelJob", "CancelReply", "JobAssigned", "JobRecord", "JobState", "JobStateChanged",
     "SubmitJob", "SubmitReply", "DeadLetter",
-    "EnvCloseRequest", "EnvInitReply", "EnvInitRequest", "EnvResetReply", "EnvResetRequest",
+    "AgentOpening", "EnvCloseRequest", "EnvInitReply", "EnvInitRequest", "EnvResetReply", "EnvResetRequest",
     "EnvStepReply", "EnvStepRequest",
     "JobSpec", "SamplingParams", "SpecError", "validate_job_spec",
     "Metrics", "RolloutRequest", "Trajectory", "TurnRecord", "WeightsPublished",

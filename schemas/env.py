@@ -37,32 +37,56 @@ class EnvResetRequest(Message, frozen=True, kw_only=True):
     state: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class AgentOpening(msgspec.Struct, frozen=True, kw_only=True):
+    """One seat of a multi-agent episode: its name and its own opening messages."""
+
+    agent: str
+    system_prompt: str = ""
+    user_message: str = ""
+
+
 class EnvResetReply(Message, frozen=True, kw_only=True):
     """The episode's opening: system prompt and first user message. `host_id` is where
-    its steps go. `tools`: the env's `get_tools()` (OpenAI-style function schemas)."""
+    its steps go. `tools`: the env's `get_tools()` (OpenAI-style function schemas).
+
+    A multi-agent env (environment/multi_agent.py) fills `agents` (every seat's opening,
+    in seat order) and `acting` (the seats that act in the first phase) instead."""
 
     host_id: str = ""
     system_prompt: str = ""
     user_message: str = ""
     tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
     error: str = ""
+    agents: list[AgentOpening] = msgspec.field(default_factory=list)
+    acting: list[str] = msgspec.field(default_factory=list)
 
 
 class EnvStepRequest(Message, frozen=True, kw_only=True):
+    """One turn: `action` for a single-agent env; for a multi-agent env one phase,
+    `actions` by seat (exactly the seats the last reply named as acting)."""
+
     episode_id: str
-    action: str
+    action: str = ""
     job_id: str = ""
+    actions: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class EnvStepReply(Message, frozen=True, kw_only=True):
     """`env.step(action)`. On an exception in user code, `error` holds the reason and
-    `done` is true (the episode ends; the job goes on)."""
+    `done` is true (the episode ends; the job goes on).
+
+    A multi-agent phase fills `observations` and `rewards` by seat (what each seat reads
+    before it next acts, what it earned this phase) and `acting` (the next phase's
+    seats); `observation`/`reward` stay empty."""
 
     observation: str = ""
     reward: float = 0.0
     done: bool = True
     info: dict[str, Any] = msgspec.field(default_factory=dict)
     error: str = ""
+    observations: dict[str, str] = msgspec.field(default_factory=dict)
+    rewards: dict[str, float] = msgspec.field(default_factory=dict)
+    acting: list[str] = msgspec.field(default_factory=list)
 
 
 class EnvCloseRequest(Message, frozen=True, kw_only=True):

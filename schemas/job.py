@@ -171,6 +171,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sft_batch_size: Bounded(int, 1, 4096) = 16
     rollout_workers: Bounded(int, 1, 64) = 1
     learner_ranks: Bounded(int, 1, 64) = 1
+    # multi-agent self-play: the seats of the env's MultiAgentGame, every one played by
+    # this job's policy (environment/multi_agent.py); 1 = a single-agent env
+    agents: Bounded(int, 1, 8) = 1
     # -- the objective (loss.py): options named as in verl / TRL, each citing its source
     advantage_estimator: AdvantageEstimator = "grpo"
     clip_range_high: Bounded(float, 0, 10, note="0 = clip_range (symmetric)") = 0.0
@@ -198,11 +201,16 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def episodes_per_step(self) -> int:
-        """Examples in one optimizer step: prompts_per_step * group_size for RL,
-        sft_batch_size for SFT."""
+        """Examples in one optimizer step: prompts_per_step * group_size * agents for
+        RL (one trajectory per seat of each episode), sft_batch_size for SFT."""
         if self.algorithm == "sft":
             return self.sft_batch_size
-        return self.prompts_per_step * self.group_size
+        return self.prompts_per_step * self.group_trajectories
+
+    @property
+    def group_trajectories(self) -> int:
+        """Trajectories in one complete group: group_size episodes, one per seat."""
+        return self.group_size * self.agents
 
 
 class Range(NamedTuple):
@@ -315,6 +323,8 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
                "an SFT job needs exactly one of sft_data (a dataset file) or sft_query (SQL over the log)")
         _check(spec.learner_ranks == 1, "learner_ranks",
                f"an SFT job trains on one rank (got {spec.learner_ranks}); data parallel is for GRPO jobs")
+    _check(spec.agents == 1 or spec.algorithm == "grpo", "agents",
+           f"multi-agent self-play is for GRPO jobs (got agents = {spec.agents} with algorithm {spec.algorithm!r})")
     _check(not spec.tinker_init or (spec.algorithm == "tinker" and TINKER_INIT_RE.match(spec.tinker_init) is not None),
            "tinker_init", "only a tinker session starts from a save: <job_id>/<name>")
     if spec.algorithm == "tinker":

@@ -46,6 +46,9 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     attempt: Count = 0
     policy_run: str = ""
     purpose: Purpose = "train"
+    # seats per episode (JobSpec.agents): a multi-agent env's episode gives one
+    # trajectory per seat, so a group gives group_size * agents
+    agents: Bounded(int, 1, 8) = 1
 
 
 class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,6 +66,8 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     observation: str = ""
     gen_ms: float = 0.0
     env_ms: float = 0.0
+    # a multi-agent episode's phase this turn was taken in (-1: single-agent)
+    phase: int = -1
 
 
 class Trajectory(Message, frozen=True, kw_only=True):
@@ -78,6 +83,8 @@ class Trajectory(Message, frozen=True, kw_only=True):
                  model): versions are numbered per run, so a resumed run tells its own
                  policy from a lost run's of the same number
     error:       non-empty when the episode ended on an environment or engine error
+    agent:       the seat this trajectory played in a multi-agent episode ("" for a
+                 single-agent env); the episode's other seats share `game_id`
     """
 
     job_id: str
@@ -104,6 +111,8 @@ class Trajectory(Message, frozen=True, kw_only=True):
     env_ms: float = 0.0
     created_s: float = 0.0
     policy_run: str = ""
+    agent: str = ""
+    game_id: str = ""
 
     @property
     def correct(self) -> bool:

@@ -73,3 +73,13 @@ def game_results(trajs: Sequence[Trajectory]) -> dict[str, float]:
     if not results:
         return {}
     return {f"{r}_rate": results.count(r) / len(results) for r in ("win", "draw", "loss")}
+
+
+def seat_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """`reward_mean/<seat>` for each seat of a multi-agent job's episodes (per-agent
+    reward curves); {} for a single-agent job."""
+    by: dict[str, list[float]] = {}
+    for t in trajs:
+        if t.agent:
+            by.setdefault(t.agent, []).append(t.reward)
+    return {f"reward_mean/{a}": statistics.fmean(r) for a, r in sorted(by.items())}

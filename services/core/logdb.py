@@ -55,6 +55,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("env_info", pa.string()), ("error", pa.string()), ("worker", pa.string()),
         ("engine", pa.string()), ("gen_ms", pa.float64()), ("env_ms", pa.float64()),
         ("created_s", pa.float64()), ("seq", pa.int64()),
+        # a multi-agent episode's seat, and the game its seats share ("" single-agent)
+        ("agent", pa.string()), ("game_id", pa.string()),
     ]),
     # Long format so `SELECT step, value FROM metrics WHERE key = 'reward_mean'` needs
     # no knowledge of which keys a job happened to log.

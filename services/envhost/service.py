@@ -45,6 +45,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from opentinker.schemas import (
+    AgentOpening,
     EnvCloseRequest,
     EnvInitReply,
     EnvInitRequest,
@@ -56,6 +57,7 @@ from opentinker.schemas import (
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import ENV_NAME_RE
 from opentinker.environment.base_game import AbstractGame, StepResult
+from opentinker.environment.multi_agent import MultiAgentGame, PhaseResult
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.runner import run_service
@@ -70,6 +72,7 @@ class Episode:
     game: AbstractGame
     last_used: float
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    acting: list[str] = field(default_factory=list)  # a multi-agent game's current phase
 
 
 def user_error(e: BaseException) -> str:
@@ -119,6 +122,47 @@ def open_episode(cls: type[AbstractGame], env_args: dict[str, Any],
     if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
         raise TypeError("get_tools must return a list of dicts (OpenAI-style function schemas)")
     return game, str(system or ""), str(user or ""), plain(tools)
+
+
+def open_multi_episode(cls: type[MultiAgentGame], env_args: dict[str, Any],
+                       state: dict[str, Any]) -> tuple[MultiAgentGame, list[AgentOpening], list[str]]:
+    """Construct a multi-agent game and reset it. Returns (game, each seat's opening in
+    seat order, the seats acting first). Raises ValueError for seats that are not a
+    tuple of two or more distinct names, or first actors that are not seats."""
+    game = cls(**env_args)
+    game.reset(**state)
+    seats = list(game.agents)
+    if len(seats) < 2 or len(set(seats)) != len(seats) or not all(isinstance(a, str) and a for a in seats):
+        raise ValueError(f"agents: a multi-agent game needs two or more distinct seat names, got {seats!r}")
+    openings = [AgentOpening(agent=a, system_prompt=str(game.get_agent_system_prompt(a) or ""),
+                             user_message=str(game.get_agent_user_message(a) or "")) for a in seats]
+    return game, openings, _acting(game, seats)
+
+
+def _acting(game: MultiAgentGame, seats: list[str]) -> list[str]:
+    acting = list(game.acting_agents())
+    if not acting or any(a not in seats for a in acting) or len(set(acting)) != len(acting):
+        raise ValueError(f"acting_agents: must name one or more of the seats {seats}, got {acting!r}")
+    return acting
+
+
+def take_phase(game: MultiAgentGame, actions: dict[str, str], expected: list[str]) -> EnvStepReply:
+    """One phase of a multi-agent game: `actions` must name exactly the `expected`
+    (acting) seats. Raises ValueError naming the seats otherwise, TypeError unless
+    step_phase returns a PhaseResult."""
+    if sorted(actions) != sorted(expected):
+        raise ValueError(f"actions: this phase's acting seats are {expected}, got {sorted(actions)}")
+    r = game.step_phase(dict(actions))
+    if not isinstance(r, PhaseResult):
+        raise TypeError(f"step_phase must return PhaseResult, got {type(r).__name__}")
+    seats = list(game.agents)
+    unknown = [a for a in (*r.observations, *r.rewards) if a not in seats]
+    if unknown:
+        raise ValueError(f"step_phase named seats {unknown} that are not among {seats}")
+    done = bool(r.done)
+    return EnvStepReply(observations={a: str(o) for a, o in r.observations.items()},
+                        rewards={a: float(x) for a, x in r.rewards.items()}, done=done,
+                        acting=[] if done else _acting(game, seats), info=plain(dict(r.info or {})))
 
 
 # generate_initial_state() without arguments draws from Python's global `random`, which
@@ -187,11 +231,17 @@ class EnvHost:
     async def reset(self, name: str, req: EnvResetRequest, m: Msg) -> EnvResetReply:
         if req.env != name:
             return EnvResetReply(error=self._mismatch(name, req.env))
+        cls = self.envs[name]
         try:
-            game, system, user, tools = await self._user(open_episode, self.envs[name], req.env_args,
-                                                         req.state)
+            if issubclass(cls, MultiAgentGame):
+                game, openings, acting = await self._user(open_multi_episode, cls, req.env_args, req.state)
+            else:
+                game, system, user, tools = await self._user(open_episode, cls, req.env_args, req.state)
         except Exception as e:  # user code
             return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
+        if isinstance(game, MultiAgentGame):
+            self.episodes[(req.job_id, req.episode_id)] = Episode(name, game, time.monotonic(), acting=acting)
+            return EnvResetReply(host_id=self.host_id, agents=openings, acting=acting)
         self.episodes[(req.job_id, req.episode_id)] = Episode(name, game, time.monotonic())
         return EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user, tools=tools)
 
@@ -205,7 +255,11 @@ class EnvHost:
         async with ep.lock:
             ep.last_used = time.monotonic()
             try:
-                reply = await self._user(take_step, ep.game, req.action)
+                if isinstance(ep.game, MultiAgentGame):
+                    reply = await self._user(take_phase, ep.game, req.actions, ep.acting)
+                    ep.acting = list(reply.acting)
+                else:
+                    reply = await self._user(take_step, ep.game, req.action)
             except Exception as e:  # user code
                 self.episodes.pop(key, None)
                 return EnvStepReply(error=self._failed("step", ep.env, req.episode_id, e), done=True)

@@ -73,7 +73,7 @@ class Evaluator:
                                group_seed=eval_seed(spec.seed, i), policy_version=version, model=spec.model,
                                env=spec.env, env_args=spec.env_args, group_size=1, sampling=sampling,
                                engine=spec.engine, split=spec.eval_split, attempt=self.attempt,
-                               policy_run=self.run_id, purpose="eval")
+                               policy_run=self.run_id, purpose="eval", agents=spec.agents)
                 for i in range(spec.eval_episodes)]
         self.asked.update(r.request_id for r in reqs)
         return reqs
@@ -92,7 +92,7 @@ class Evaluator:
         if got is None or traj.request_id not in self.asked:
             return None
         got[traj.episode_id] = traj
-        if len(got) < self.spec.eval_episodes:
+        if len(got) < self.spec.eval_episodes * self.spec.agents:  # one trajectory per seat
             return None
         del self.pending[v]
         values = episode_stats(list(got.values()))

@@ -38,14 +38,14 @@ from nats.aio.msg import Msg
 from opentinker.schemas import JobAssigned, RolloutRequest, Trajectory
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import max_generated_tokens
-from opentinker.schemas.stats import derived_seed, episode_stats, lag_stats
+from opentinker.schemas.stats import derived_seed, episode_stats, lag_stats, seat_stats
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.learner.batching import (Batch, StepAdvantages, build_batch, check_trajectory,
                                                   micro_batch_indices, micro_batches, step_advantages, update_plan)
 from opentinker.services.learner.evaluation import Evaluator
-from opentinker.services.learner.ledger import Delivery, TrajectoryLedger
+from opentinker.services.learner.ledger import Delivery, TrajectoryLedger, by_seat, seats_complete
 from opentinker.services.learner.loss import AggTotals, kl_estimate, lr_factor, overlong_penalty
 # SERVICE and JobStopped are imported from here too (service.py)
 from opentinker.services.learner.lifecycle import SERVICE, JobStopped, RunLifecycle  # noqa: F401
@@ -104,7 +104,7 @@ class JobRun(RunLifecycle):
         self.placement_changed.set()
         self.requested_upto = -1
         self.ledger: TrajectoryLedger[Held] = TrajectoryLedger(
-            self.job_id, self.run_id, spec.steps, spec.prompts_per_step, spec.group_size)
+            self.job_id, self.run_id, spec.steps, spec.prompts_per_step, spec.group_trajectories)
         self.stats = StepStats()
         self.evaluator = Evaluator(self.job_id, spec, self.run_id, self.attempt)
         self.sub = None
@@ -169,7 +169,7 @@ class JobRun(RunLifecycle):
                              policy_version=self.version,
                              model=spec.model, env=spec.env, env_args=spec.env_args,
                              group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine,
-                             purpose="train", attempt=self.attempt, policy_run=self.run_id)
+                             purpose="train", attempt=self.attempt, policy_run=self.run_id, agents=spec.agents)
         # the root of the group's trace: rollout, envhost and this learner's
         # trajectory spans follow it through the message headers
         worker = self.rollout_worker(i)
@@ -263,6 +263,8 @@ class JobRun(RunLifecycle):
                 raise ValueError(f"Trajectory.job_id: {traj.job_id!r} on {self.job_id}'s subject")
             if traj.group_size != spec.group_size:
                 raise ValueError(f"Trajectory.group_size: {traj.group_size} != the job's {spec.group_size}")
+            if bool(traj.agent) != (spec.agents > 1):
+                raise ValueError(f"Trajectory.agent: {traj.agent!r} in a job with agents = {spec.agents}")
             check_trajectory(traj, self.engine.vocab_size)
         except ValueError as e:
             await self.bus.dead_letter(m, str(e))
@@ -282,16 +284,18 @@ class JobRun(RunLifecycle):
         not ask), or is complete but stale, or every episode of it failed."""
         spec = self.spec
         group = self.ledger.group(s, i)
-        if len(group) < spec.group_size:
+        if len(group) < spec.group_trajectories:
             waited = time.monotonic() - self.ledger.asked_at(s, i, since_s)
             if waited > spec.rollout_timeout_s:
-                await self.drop_group(s, i, f"timeout: {len(group)} of {spec.group_size} episodes "
+                await self.drop_group(s, i, f"timeout: {len(group)} of {spec.group_trajectories} episodes "
                                             f"{waited:.0f} s after asking (is a rollout worker serving it? "
                                             "see ot.dlq.rollout)")
         elif not all(self.lag_ok(h.traj) for h in group):
             await self.drop_group(s, i, "stale")
         elif all(h.traj.error for h in group):
             await self.drop_group(s, i, f"every episode failed: {group[0].traj.error[:500]}")
+        elif not seats_complete([h.traj for h in group], spec.group_size):
+            await self.drop_group(s, i, "invalid")
         elif self.refill_due(s, i, group):
             await self.refill_group(s, i)
 
@@ -315,7 +319,7 @@ class JobRun(RunLifecycle):
         log.warning("job %s: rollout worker %s left the pool; asking its open groups again on %s",
                     self.job_id, ", ".join(lost) or "-", ", ".join(self.rollout_workers))
         for (s, i), w in sorted(self.asked_on.items()):
-            if w in lost and s >= self.step and len(self.ledger.group(s, i)) < self.spec.group_size:
+            if w in lost and s >= self.step and len(self.ledger.group(s, i)) < self.spec.group_trajectories:
                 await self.drop_group(s, i, f"rollout worker {w} left the pool")
         # evaluation episodes the lost workers owe: the same requests, to the survivors
         # (a new message id, else JetStream would drop them as repeats)
@@ -334,7 +338,10 @@ class JobRun(RunLifecycle):
         may still replace one (spec.dynamic_sampling) and the group has attempts to
         spare (half of MAX_ATTEMPTS stays for failures)?"""
         step_refills = sum(self.refill_index.get((s, j), 0) for j in range(self.spec.prompts_per_step))
-        return (len({h.traj.reward for h in group}) == 1
+        rewards: dict[str, set[float]] = {}
+        for h in group:
+            rewards.setdefault(h.traj.agent, set()).add(h.traj.reward)
+        return (all(len(r) == 1 for r in rewards.values())
                 and step_refills < self.spec.dynamic_sampling
                 and self.ledger.attempt(s, i) < MAX_ATTEMPTS // 2)
 
@@ -368,7 +375,7 @@ class JobRun(RunLifecycle):
             for m in await self.bus.fetch(self.sub, TRAJ_FETCH, 1.0):
                 await self.on_trajectory(m)
         self.stats.wait_s = time.monotonic() - t0
-        return [self.ledger.group(s, i) for i in range(self.spec.prompts_per_step)]
+        return [by_seat(self.ledger.group(s, i)) for i in range(self.spec.prompts_per_step)]
 
     # -- evaluation -------------------------------------------------------------
 
@@ -437,7 +444,10 @@ class JobRun(RunLifecycle):
         mask_out = None
         if spec.overlong_filter:
             mask_out = [bool(t.turns) and t.turns[-1].finish_reason == "length" for t in trajs]
-        return step_advantages(trajs, spec.prompts_per_step, spec.group_size, spec.advantage, spec.turn_discount,
+        # a multi-agent group is one GRPO group per seat (by_seat orders it so): each
+        # seat's return is normalized against the same seat of the group's other games
+        return step_advantages(trajs, spec.prompts_per_step * spec.agents, spec.group_size, spec.advantage,
+                               spec.turn_discount,
                                spec.advantage_estimator, self.reward_bonus(trajs), mask_out)
 
     def _train_blocking(self, trajs: list[Trajectory]) -> dict[str, float]:
@@ -509,6 +519,7 @@ class JobRun(RunLifecycle):
         gen_tokens = sum(sum(t.loss_mask) for t in trajs)
         values = {
             **episode_stats(trajs),  # reward_mean/std, correct_frac, lengths, turns, error_frac, episodes
+            **seat_stats(trajs),     # reward_mean/<seat> of a multi-agent job
             **lag_stats(trajs),      # policy_lag_mean/max
             "kl": out["kl"],
             "approx_kl": out["approx_kl"],

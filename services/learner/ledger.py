@@ -183,3 +183,20 @@ class TrajectoryLedger(Generic[H]):
         self.used = {q for q in self.used if q > floor}
         self.seen = {q for q in self.seen if q > floor}
         self.skip = {q for q in self.skip if q > floor}
+
+
+def by_seat(held: list[H]) -> list[H]:
+    """A complete group's items in training order: by seat, then by episode (a
+    single-agent group's seat is "" for all), so each seat of a multi-agent group is a
+    block of group_size consecutive items. Items have `.traj` (a Trajectory)."""
+    return sorted(held, key=lambda h: (h.traj.agent, h.traj.episode_id))
+
+
+def seats_complete(trajs: list[Any], group_size: int) -> bool:
+    """Does every seat of a complete group hold exactly `group_size` trajectories (one
+    per game)? False for a group mixing seat counts, which cannot be split into
+    per-seat GRPO groups."""
+    counts: dict[str, int] = {}
+    for t in trajs:
+        counts[t.agent] = counts.get(t.agent, 0) + 1
+    return all(n == group_size for n in counts.values())

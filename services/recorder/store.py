@@ -94,7 +94,7 @@ def trajectory_rows(t: Trajectory, seq: int) -> list[dict[str, Any]]:
         "logprobs": t.logprobs, "turns": msgspec.to_builtins(t.turns),
         "env_info": msgspec.json.encode(t.env_info).decode(), "error": t.error, "worker": t.worker,
         "engine": t.engine, "gen_ms": t.gen_ms, "env_ms": t.env_ms, "created_s": t.created_s,
-        "seq": seq,
+        "seq": seq, "agent": t.agent, "game_id": t.game_id,
     }]
 
 

@@ -11,6 +11,10 @@ Each episode moves PENDING -> GENERATING <-> INTERACTING -> TERMINATED:
   observation's tokens (a user turn in the chat template) are appended.
 - TERMINATED: env `done`, an env error, the turn limit or the token budget.
 
+A multi-agent env (JobSpec.agents > 1) plays each episode as a game of seats;
+coordinator.py runs its phases, and each seat joins the GENERATING rounds as an
+episode of its own.
+
 The trajectory keeps exactly the ids the engine was fed and produced: policy tokens
 are never detokenized and retokenized. Only observations are tokenized.
 
@@ -43,6 +47,7 @@ from opentinker.schemas import (
     TurnRecord,
 )
 from opentinker.services.core import tracing
+from opentinker.services.rollout.coordinator import Coordinator, Game, seat_opening
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,8 @@ class _Episode:
     gen_ms: float = 0.0
     env_ms: float = 0.0
     span: Any = None  # rollout.episode (tracing.py), from reset to the trajectory
+    agent: str = ""  # the seat of a multi-agent game
+    game: Game | None = None
 
     def fail(self, error: str) -> None:
         self.error = error
@@ -200,9 +207,10 @@ class _Episode:
 @dataclass
 class _Group:
     req: RolloutRequest
-    episodes: list[_Episode]
+    episodes: list[_Episode]  # a multi-agent group's: every game's seats, after the reset
     done: bool = False
     span: Any = None
+    games: list[Game] = field(default_factory=list)
 
 
 PolicyVersion = Callable[[], Awaitable[int]]
@@ -224,6 +232,7 @@ class AgentLoop:
         self.executor = executor
         self.renderer = ChatRenderer(engine.tokenizer)
         self.spans: dict[str, Any] = {}  # episode id -> its rollout.episode span
+        self.coordinator = Coordinator(self)
 
     async def run(self, requests: Sequence[RolloutRequest], policy_version: PolicyVersion,
                   on_group_done: GroupDone | None = None,
@@ -239,17 +248,19 @@ class AgentLoop:
         each group's span continues it, and each episode's span is the group's child.
         Env failures end the affected episodes with `error` set; engine errors raise.
         """
-        groups = [_Group(r, [_Episode(r, i, episode_id(r.request_id, i)) for i in range(r.group_size)])
-                  for r in requests]
+        groups = []
+        for r in requests:
+            if r.agents > 1:
+                groups.append(_Group(r, [], games=[Game(r, episode_id(r.request_id, i)) for i in range(r.group_size)]))
+            else:
+                groups.append(_Group(r, [_Episode(r, i, episode_id(r.request_id, i)) for i in range(r.group_size)]))
         for g in groups:
             r = g.req
             g.span = tracing.start("rollout.group", (parents or {}).get(r.request_id),
                                    {"ot.job_id": r.job_id, "ot.request_id": r.request_id, "ot.step": r.step,
                                     "ot.group_index": r.group_index, "ot.env": r.env})
             for e in g.episodes:
-                e.span = tracing.start("rollout.episode", tracing.child_of(g.span),
-                                       {"ot.episode_id": e.episode_id, "ot.job_id": r.job_id, "ot.step": r.step})
-                self.spans[e.episode_id] = e.span
+                self._trace(g, e)
         results: dict[int, list[Trajectory]] = {}
 
         async def finish_ready() -> None:
@@ -277,12 +288,33 @@ class AgentLoop:
             gen_ms = (time.perf_counter() - t0) * 1e3
             if len(outs) != len(active):
                 raise RuntimeError(f"engine returned {len(outs)} completions for {len(active)} prompts")
-            await asyncio.gather(*(self._interact(e, o, version, gen_ms) for e, o in zip(active, outs)))
+            phases: dict[int, tuple[Game, dict[str, GenOut]]] = {}
+            for e, o in zip(active, outs):
+                if e.game is not None:
+                    phases.setdefault(id(e.game), (e.game, {}))[1][e.agent] = o
+            await asyncio.gather(*(self._interact(e, o, version, gen_ms)
+                                   for e, o in zip(active, outs) if e.game is None),
+                                 *(self.coordinator.phase(game, got, version, gen_ms) for game, got in phases.values()))
             await finish_ready()
         return [results[i] for i in range(len(groups))]
 
     def _budget(self, req: RolloutRequest) -> int:
         return min(req.sampling.max_total_tokens, self.engine.max_model_len)
+
+    def _trace(self, g: _Group, e: _Episode) -> None:
+        r = g.req
+        e.span = tracing.start("rollout.episode", tracing.child_of(g.span),
+                               {"ot.episode_id": e.episode_id, "ot.job_id": r.job_id, "ot.step": r.step,
+                                **({"ot.agent": e.agent} if e.agent else {})})
+        self.spans[e.episode_id] = e.span
+
+    def _seat_up(self, g: _Group, game: Game, agents: list[str]) -> None:
+        """The game's seat episodes (episode id `<game id>-<seat>`), one per seat."""
+        for a in agents:
+            e = _Episode(g.req, len(g.episodes), f"{game.game_id}-{a}", agent=a, game=game)
+            game.seats[a] = e
+            g.episodes.append(e)
+            self._trace(g, e)
 
     async def _start(self, g: _Group) -> None:
         r = g.req
@@ -294,10 +326,55 @@ class AgentLoop:
         except EnvError as e:
             init, error = None, f"env init: {e}"
         if error:
+            for game in g.games:  # each seat still answers, with the error
+                self._seat_up(g, game, [f"seat{k}" for k in range(r.agents)])
             for e in g.episodes:
                 e.fail(error)
             return
+        if g.games:
+            await asyncio.gather(*(self._reset_game(g, game, init.state) for game in g.games))
+            return
         await asyncio.gather(*(self._reset(e, init.state) for e in g.episodes))
+
+    async def _reset_game(self, g: _Group, game: Game, state: dict[str, Any]) -> None:
+        """Reset a multi-agent game; its seats must number the job's `agents`."""
+        r = g.req
+        t0 = time.perf_counter()
+        error, reply = "", None
+        try:
+            with tracing.within(g.span), tracing.span("rollout.env_reset", kind=tracing.SpanKind.CLIENT):
+                reply = await self.env.reset(EnvResetRequest(env=r.env, episode_id=game.game_id, job_id=r.job_id,
+                                                             env_args=r.env_args, state=state))
+        except EnvError as err:
+            error = f"env reset: {err}"
+        if reply is not None and reply.error:
+            error = f"env reset: {reply.error}"
+        elif reply is not None and len(reply.agents) != r.agents:
+            error = (f"agents: env {r.env!r} is single-agent; set agents = 1" if not reply.agents else
+                     f"agents: env {r.env!r} has {len(reply.agents)} seats "
+                     f"({', '.join(o.agent for o in reply.agents)}); the job's agents is {r.agents}")
+        seats = [o.agent for o in reply.agents] if reply is not None and not error else \
+            [f"seat{k}" for k in range(r.agents)]
+        self._seat_up(g, game, seats)
+        for e in game.seats.values():
+            e.env_ms += (time.perf_counter() - t0) * 1e3
+        if error:
+            for e in game.seats.values():
+                e.fail(error)
+            if reply is not None and reply.host_id:
+                game.host_id = reply.host_id
+                for e in game.seats.values():
+                    e.host_id = reply.host_id
+                await self._close(next(iter(game.seats.values())))
+            return
+        game.host_id = reply.host_id
+        game.opening = seat_opening(reply.agents)
+        game.acting = list(reply.acting)
+        for e in game.seats.values():
+            e.host_id = reply.host_id
+        self.coordinator.start(game)
+        if all(e.phase is Phase.TERMINATED for e in game.seats.values()):
+            await self._close(next(iter(game.seats.values())))
 
     async def _reset(self, e: _Episode, state: dict[str, Any]) -> None:
         r = e.req
@@ -315,6 +392,11 @@ class AgentLoop:
             e.fail(f"env reset: {reply.error}")
             return
         e.host_id = reply.host_id
+        if reply.agents:
+            e.fail(f"agents: env {r.env!r} is a multi-agent game with seats "
+                   f"{[o.agent for o in reply.agents]}; set agents = {len(reply.agents)} in the job spec")
+            await self._close(e)
+            return
         if reply.system_prompt:
             e.messages.append({"role": "system", "content": reply.system_prompt})
         e.messages.append({"role": "user", "content": reply.user_message})
@@ -386,7 +468,8 @@ class AgentLoop:
             return
         try:
             with tracing.within(e.span):
-                await self.env.close(e.host_id, EnvCloseRequest(episode_id=e.episode_id, job_id=e.req.job_id))
+                await self.env.close(e.host_id, EnvCloseRequest(
+                    episode_id=e.game.game_id if e.game is not None else e.episode_id, job_id=e.req.job_id))
         except EnvError:
             pass  # best effort: a close only frees the host early; the trajectory is complete
 
@@ -403,4 +486,5 @@ class AgentLoop:
             prompt_len=e.prompt_len, turns=e.turns, reward=sum(t.reward for t in e.turns),
             policy_version=min((t.policy_version for t in e.turns), default=r.policy_version),
             env=r.env, split=r.split, purpose=r.purpose, env_info=e.info, error=e.error, worker=self.worker,
-            engine=self.engine.name, gen_ms=e.gen_ms, env_ms=e.env_ms, created_s=time.time())
+            engine=self.engine.name, gen_ms=e.gen_ms, env_ms=e.env_ms, created_s=time.time(),
+            agent=e.agent, game_id=e.game.game_id if e.game is not None else "")

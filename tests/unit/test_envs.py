@@ -21,7 +21,8 @@ def play(game, state, action):
 
 
 def test_registry_names_every_builtin():
-    assert set(BUILTIN) == {"arith", "gsm8k", "guess-number", "code-math", "gomoku", "bandit"}
+    assert set(BUILTIN) == {"arith", "gsm8k", "guess-number", "code-math", "gomoku", "bandit", "gomoku-duel",
+                            "negotiation"}
 
 
 @pytest.mark.parametrize("reply, reward", [

@@ -22,6 +22,7 @@ UPPER = [
     ("checkpoint_every", 1_000_000, 1_000_001),
     ("sft_batch_size", 4096, 4097),
     ("rollout_workers", 64, 65),
+    ("agents", 8, 9),
     ("seed", 2**63 - 1, 2**63),
     ("kl_coef", 100.0, 100.5),
     ("weight_decay", 1.0, 1.5),
@@ -130,6 +131,14 @@ def test_data_parallel_ranks_are_for_grpo_jobs():
     e = refused({"algorithm": "sft", "sft_data": "d.jsonl", "learner_ranks": 2})
     assert e.field == "learner_ranks" and "one rank" in e.reason
     assert refused({"learner_ranks": 65}).field == "learner_ranks"
+
+
+def test_self_play_seats_are_for_grpo_jobs():
+    s = spec_from_dict({"agents": 2, "group_size": 4, "prompts_per_step": 3})
+    assert s.group_trajectories == 8 and s.episodes_per_step == 24
+    e = refused({"algorithm": "sft", "sft_data": "d.jsonl", "agents": 2})
+    assert e.field == "agents" and "GRPO" in e.reason
+    assert refused({"agents": 0}).field == "agents"
 
 
 def test_validate_job_spec_takes_the_kind():

@@ -8,4 +8,6 @@
 | `guess-number` | free | multi | guess a hidden number from higher/lower hints |
 | `code-math` | GSM8K or free | multi | math with a sandboxed Python interpreter (tool calls) |
 | `gomoku` | free | multi | gomoku against a built-in opponent |
+| `gomoku-duel` | free | multi-agent | gomoku self-play: black and white seats of one policy (`agents = 2`) |
+| `negotiation` | free | multi-agent | split a pot by simultaneous demands, self-play (`agents = 2`) |
 """

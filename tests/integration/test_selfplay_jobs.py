@@ -1,0 +1,70 @@
+"""Multi-agent self-play through the real services: gomoku-duel (turn-based) and
+negotiation (simultaneous demands), each a job with `agents = 2` on the tiny model.
+Both seats' trajectories land in the Parquet log, paired by game, with token-exact
+masks and their own rewards; the metrics carry one reward curve per seat and
+`opentinker plot` draws them."""
+
+import json
+
+from opentinker.cli.views import plot
+from opentinker.schemas import JobState
+from opentinker.sdk import Client
+from opentinker.services.core.logdb import run_query
+
+from conftest import follow, log_rows, submit_when_ready
+from test_env_jobs import check_episode, spec, start_stack
+
+
+async def test_self_play_jobs_log_both_seats_and_plot_per_agent_rewards(services, nats_url, tmp_path,
+                                                                          tiny_model, job_id):
+    data_dir = tmp_path / "log"
+    start_stack(services, data_dir)
+    jobs = {
+        "gomoku-duel": spec(tiny_model, "gomoku-duel", agents=2, advantage="turn", turn_discount=0.9,
+                            env_args={"size": 5, "win_length": 3, "illegal": "random"},
+                            sampling={"max_new_tokens": 5, "max_turns": 3, "max_total_tokens": 1536}),
+        "negotiation": spec(tiny_model, "negotiation", agents=2, env_args={"rounds": 2},
+                            sampling={"max_new_tokens": 4, "max_turns": 2, "max_total_tokens": 1024}),
+    }
+    async with await Client.connect(nats_url) as client:
+        handles = {env: await submit_when_ready(client, s, f"{job_id}-{env}") for env, s in jobs.items()}
+        metrics = {env: await follow(h, 900, services) for env, h in handles.items()}
+        for env, h in handles.items():
+            rec = await h.wait(timeout_s=30, raise_on_failure=False)
+            assert rec.state == JobState.COMPLETED, (env, rec, services.logs())
+    for env, h in handles.items():
+        s = jobs[env]
+        n = s["steps"] * s["prompts_per_step"] * s["group_size"] * 2  # one trajectory per seat
+        await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}'", n)
+        cols, rows = run_query(f"SELECT agent, game_id, episode_id, reward, token_ids, loss_mask, logprobs, "
+                               f"prompt_len, turns, env_info, error FROM trajectories WHERE job_id = '{h.id}'",
+                               str(data_dir))
+        eps = [dict(zip(cols, r)) for r in rows]
+        assert len(eps) == n
+        games: dict[str, dict[str, dict]] = {}
+        for ep in eps:
+            assert not ep["error"], ep["error"]
+            check_episode(ep)
+            assert ep["episode_id"] == f"{ep['game_id']}-{ep['agent']}"
+            games.setdefault(ep["game_id"], {})[ep["agent"]] = ep
+        seats = ("black", "white") if env == "gomoku-duel" else ("alice", "bob")
+        assert len(games) == n // 2 and all(sorted(g) == sorted(seats) for g in games.values())
+        for g in games.values():
+            a, b = (g[x] for x in seats)
+            assert json.loads(a["env_info"]) == json.loads(b["env_info"])  # one game, seen by both
+            if env == "gomoku-duel":
+                assert a["turns"] and b["turns"], "both seats moved"
+                info = json.loads(a["env_info"])
+                if info["result"] in seats:  # a win: +1 for the winner's seat, -1 for the other's
+                    win, lose = (a, b) if info["result"] == seats[0] else (b, a)
+                    assert win["turns"][-1]["reward"] > 0.5 > -0.5 > lose["turns"][-1]["reward"]
+            else:  # simultaneous: every phase both act
+                assert len(a["turns"]) == len(b["turns"])
+                info = json.loads(a["env_info"])
+                if info["result"] == "deal":
+                    assert a["reward"] > 0 or info["demands"]["alice"] == 0
+        train = [m for m in metrics[env] if m.split == "train"]
+        assert [m.step for m in train] == [0, 1]
+        assert all(f"reward_mean/{x}" in m.values for m in train for x in seats)
+        files = plot(h.id, data_dir, tmp_path / f"plots-{env}")
+        assert tmp_path / f"plots-{env}" / "agents.png" in files
