@@ -29,7 +29,7 @@ if [ -z "${SKIP_SYSTEM_PACKAGES:-}" ]; then
   fi
 fi
 
-EXTRAS="${EXTRAS:-server,vllm,plot,wandb,bench,dev}"
+EXTRAS="${EXTRAS:-server,vllm,envs,plot,wandb,bench,dev}"
 if ! command -v uv >/dev/null 2>&1; then
   python3 -m pip install -q uv
 fi

@@ -4,6 +4,16 @@ A spec is one of:
 - a built-in name: `arith`
 - `module:Class`: the module imported from the working directory or an `--env-path`
 - `path/to/file.py:Class`: a file anywhere, imported under a private module name
+- an environment hub's env, adapted to AbstractGame (the library is imported only then):
+  - `verifiers:ENV_ID[?key=value&...]`: `verifiers.load_environment(ENV_ID, key=value, ...)`,
+    or `verifiers:module:function[?...]`: the operator's function that returns one
+    (envs/hub_verifiers.py)
+  - `openenv:module:Class[?key=value&...]`: an OpenEnv `Environment` run in process, one
+    instance per episode, or `openenv+http://host:port[?...]`: a running OpenEnv server
+    (envs/hub_openenv.py)
+
+The operator picks these on the command line; a job spec only names the served env. Query
+values are JSON when they parse as JSON, else strings.
 """
 
 from __future__ import annotations
@@ -11,9 +21,12 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
 
 from opentinker.schemas.job import ENV_NAME_RE
 from opentinker.environment.base_game import AbstractGame
@@ -25,12 +38,16 @@ class EnvLoadError(ValueError):
 
 
 def load_class(spec: str, env_path: list[str] | None = None) -> type[AbstractGame]:
-    """The AbstractGame subclass a spec names.
+    """The AbstractGame subclass a spec names; a hub spec (`verifiers:`, `openenv:`,
+    `openenv+http(s)://`) gets its adapter's subclass, bound to the hub env.
 
     Raises EnvLoadError naming the spec: unknown built-in, module or file not found,
-    no such attribute, or not an AbstractGame subclass. Errors raised while importing
-    the user's module propagate with their own traceback.
+    no such attribute, or not an AbstractGame subclass (hub specs: the adapter's own
+    checks, e.g. the library not installed). Errors raised while importing the user's
+    module propagate with their own traceback.
     """
+    if spec.startswith(HUB_PREFIXES):
+        return _load_hub(spec, env_path)
     if ":" not in spec:
         if spec in BUILTIN:
             return BUILTIN[spec]
@@ -39,19 +56,7 @@ def load_class(spec: str, env_path: list[str] | None = None) -> type[AbstractGam
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise EnvLoadError(f"--env {spec!r}: expected module:Class")
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        module = _import_file(Path(target), spec)
-    else:
-        for p in reversed([os.getcwd(), *(env_path or [])]):
-            if p not in sys.path:
-                sys.path.insert(0, p)
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            if e.name and target.startswith(e.name):  # the named module itself, not a dependency
-                raise EnvLoadError(f"--env {spec!r}: module {target!r} not found "
-                                   f"(searched the working directory and --env-path)") from None
-            raise
+    module = import_target(target, spec, env_path)
     cls = getattr(module, attr, None)
     if cls is None:
         raise EnvLoadError(f"--env {spec!r}: {module.__name__} has no attribute {attr!r}")
@@ -59,6 +64,63 @@ def load_class(spec: str, env_path: list[str] | None = None) -> type[AbstractGam
         raise EnvLoadError(f"--env {spec!r}: {attr} is not a subclass of "
                            "opentinker.environment.base_game.AbstractGame")
     return cls
+
+
+def import_target(target: str, spec: str, env_path: list[str] | None = None):
+    """The module `target` names: a file (`path/to/file.py`) or a module name imported
+    from the working directory or an `--env-path` folder.
+
+    Raises EnvLoadError naming `spec` if the file or module is not found; errors raised
+    while importing it propagate.
+    """
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        return _import_file(Path(target), spec)
+    add_env_path(env_path)
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name and target.startswith(e.name):  # the named module itself, not a dependency
+            raise EnvLoadError(f"--env {spec!r}: module {target!r} not found "
+                               f"(searched the working directory and --env-path)") from None
+        raise
+
+
+def add_env_path(env_path: list[str] | None = None) -> None:
+    """Put the working directory and the `--env-path` folders first on sys.path."""
+    for p in reversed([os.getcwd(), *(env_path or [])]):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+#: spec prefixes that name an environment hub's env rather than an AbstractGame class
+HUB_PREFIXES = ("verifiers:", "openenv:", "openenv+http://", "openenv+https://")
+
+
+def split_query(spec: str, body: str) -> tuple[str, dict[str, Any]]:
+    """`body` ("target?key=value&...") as (target, {key: value}); a value is JSON when it
+    parses as JSON, else the string. Raises EnvLoadError naming `spec` for a repeated key."""
+    target, _, query = body.partition("?")
+    kwargs: dict[str, Any] = {}
+    for key, raw in parse_qsl(query, keep_blank_values=True):
+        if key in kwargs:
+            raise EnvLoadError(f"--env {spec!r}: {key!r} is given twice")
+        try:
+            kwargs[key] = json.loads(raw)
+        except ValueError:
+            kwargs[key] = raw
+    return target, kwargs
+
+
+def _load_hub(spec: str, env_path: list[str] | None) -> type[AbstractGame]:
+    # Imported here: the hub libraries are optional, and only an operator who serves one
+    # needs them.
+    if spec.startswith("verifiers:"):
+        from opentinker.services.envhost.envs.hub_verifiers import verifiers_game
+
+        return verifiers_game(spec, env_path)
+    from opentinker.services.envhost.envs.hub_openenv import openenv_game
+
+    return openenv_game(spec, env_path)
 
 
 def env_name(cls: type[AbstractGame], override: str | None = None) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from opentinker.environment.base_game import AbstractGame
+from opentinker.services.envhost.envs.alfworld import AlfWorldGame
+from opentinker.services.envhost.envs.android_world import AndroidWorldGame
 from opentinker.services.envhost.envs.arith import ArithGame
 from opentinker.services.envhost.envs.bandit import BanditGame
 from opentinker.services.envhost.envs.code_math import CodeMathGame
@@ -13,5 +15,5 @@ from opentinker.services.envhost.envs.selfplay import GomokuDuelGame, Negotiatio
 
 BUILTIN: dict[str, type[AbstractGame]] = {
     cls.name: cls for cls in (ArithGame, GSM8KGame, GuessNumberGame, CodeMathGame, GomokuGame, BanditGame,
-                              GomokuDuelGame, NegotiationGame)
+                              GomokuDuelGame, NegotiationGame, AlfWorldGame, AndroidWorldGame)
 }

@@ -18,10 +18,11 @@ Reads (core request/reply):
   is asked for; closing an unknown episode is not an error
 Writes: the replies; `ot.dlq.envhost` for undecodable requests (no reply).
 
-Run: `opentinker envhost [--env module:Class | --env path/file.py:Class | --env arith ...]
+Run: `opentinker envhost [--env module:Class | --env path/file.py:Class | --env arith | --env verifiers:ENV_ID |
+--env openenv:module:Class | --env openenv+http://host:port ...]
 [--env-path DIR] [--name NAME] [KEY=VALUE ...]`, or `python -m opentinker.services.envhost`.
-With no `--env` it serves every built-in env (arith, gsm8k, guess-number, code-math,
-gomoku, bandit).
+With no `--env` it serves every built-in env (registry.py: arith, gsm8k, guess-number,
+code-math, gomoku, bandit, gomoku-duel, negotiation, alfworld, ...).
 """
 
 from __future__ import annotations

@@ -10,4 +10,6 @@
 | `gomoku` | free | multi | gomoku against a built-in opponent |
 | `gomoku-duel` | free | multi-agent | gomoku self-play: black and white seats of one policy (`agents = 2`) |
 | `negotiation` | free | multi-agent | split a pot by simultaneous demands, self-play (`agents = 2`) |
+| `alfworld` | ALFWorld ($ALFWORLD_DATA) | multi | household tasks in ALFWorld's text games (TextWorld PDDL) |
+| `android-world` | - | - | not served: needs an Android emulator (raises with the reason) |
 """
