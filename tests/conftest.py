@@ -186,6 +186,23 @@ async def follow(job, timeout_s: float, services) -> list:
             pytest.fail(f"job {job.id} did not finish in {timeout_s}s\n{services.logs()}")
 
 
+async def train_jobs(nats_url: str, services, jobs: dict[str, dict], job_id: str,
+                     timeout_s: float = 600) -> tuple[dict, dict]:
+    """Submit each spec of `jobs` as job `<job_id>-<key>` (underscores as dashes), follow
+    every one to its end and assert it COMPLETED (failing with the services' logs).
+    Returns ({key: Job}, {key: [Metrics, ...]})."""
+    from opentinker.schemas import JobState
+    from opentinker.sdk import Client
+
+    async with await Client.connect(nats_url) as client:
+        handles = {k: await submit_when_ready(client, s, f"{job_id}-{k.replace('_', '-')}") for k, s in jobs.items()}
+        metrics = {k: await follow(h, timeout_s, services) for k, h in handles.items()}
+        for k, h in handles.items():
+            rec = await h.wait(timeout_s=30, raise_on_failure=False)
+            assert rec.state == JobState.COMPLETED, (k, rec, services.logs())
+    return handles, metrics
+
+
 async def log_rows(data_dir, sql: str, expect: int, timeout_s: float = 30):
     """Rows of `sql` over the log once its first value reaches `expect` (the recorder
     flushes on a timer), or the last rows after `timeout_s`."""

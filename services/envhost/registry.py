@@ -11,9 +11,10 @@ from opentinker.services.envhost.envs.code_math import CodeMathGame
 from opentinker.services.envhost.envs.gomoku import GomokuGame
 from opentinker.services.envhost.envs.gsm8k import GSM8KGame
 from opentinker.services.envhost.envs.guess_number import GuessNumberGame
+from opentinker.services.envhost.envs.scienceworld import ScienceWorldGame
 from opentinker.services.envhost.envs.selfplay import GomokuDuelGame, NegotiationGame
 
 BUILTIN: dict[str, type[AbstractGame]] = {
     cls.name: cls for cls in (ArithGame, GSM8KGame, GuessNumberGame, CodeMathGame, GomokuGame, BanditGame,
-                              GomokuDuelGame, NegotiationGame, AlfWorldGame, AndroidWorldGame)
+                              GomokuDuelGame, NegotiationGame, ScienceWorldGame, AlfWorldGame, AndroidWorldGame)
 }

@@ -9,14 +9,9 @@ import json
 
 import pytest
 
-pytest.importorskip("alfworld", reason="needs the alfworld package (pip install alfworld)")
-
-from fixtures.alfworld_games import make_alfworld_data  # noqa: E402
-from opentinker.schemas import JobState  # noqa: E402
-from opentinker.sdk import Client  # noqa: E402
-
-from conftest import follow, log_rows, submit_when_ready  # noqa: E402
-from test_env_jobs import check_episode, episodes, spec  # noqa: E402
+from fixtures.alfworld_games import make_alfworld_data
+from conftest import log_rows, train_jobs
+from test_env_jobs import check_episode, episodes, spec
 
 ENV_SPEC = "opentinker.services.envhost.envs.alfworld:AlfWorldGame"
 WELCOME = "-= Welcome to TextWorld, ALFRED! =-"
@@ -42,12 +37,9 @@ async def test_alfworld_trains_and_logs_multi_turn_episodes(services, nats_url, 
     services.start("recorder", f"data_dir={data_dir}", "recorder_flush_s=0.5")
     job_spec = spec(tiny_model, "alfworld", env_args={"max_turns": 3}, eval_every=2, eval_episodes=1,
                     sampling={"max_new_tokens": 8, "max_turns": 3, "max_total_tokens": 1536})
-    async with await Client.connect(nats_url) as client:
-        job = await submit_when_ready(client, job_spec, job_id)
-        metrics = await follow(job, 600, services)
-        rec = await job.wait(timeout_s=30, raise_on_failure=False)
-    assert rec.state == JobState.COMPLETED, (rec, services.logs())
-    assert [m.step for m in metrics if m.split == "train"] == [0, 1]
+    handles, metrics = await train_jobs(nats_url, services, {"alfworld": job_spec}, job_id)
+    job_id = handles["alfworld"].id
+    assert [m.step for m in metrics["alfworld"] if m.split == "train"] == [0, 1]
     await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{job_id}' AND split = 'train'", 8)
     eps = episodes(data_dir, job_id, "split = 'train'")
     assert len(eps) == 8 and not any(ep["error"] for ep in eps), [ep["error"] for ep in eps]

@@ -13,7 +13,7 @@ from opentinker.schemas import JobState
 from opentinker.sdk import Client
 from opentinker.services.core.logdb import run_query
 
-from conftest import follow, log_rows, submit_when_ready
+from conftest import follow, log_rows, submit_when_ready, train_jobs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GSM8K_SRC = Path("/work/shared/data/gsm8k")
@@ -82,12 +82,7 @@ async def test_every_builtin_env_trains_and_logs_its_episodes(services, nats_url
                           sampling={"max_new_tokens": 12, "max_turns": 3, "max_total_tokens": 1536}),
         "gsm8k": spec(tiny_model, "gsm8k", env_args={"data_dir": str(gsm8k_dir)}),
     }
-    async with await Client.connect(nats_url) as client:
-        handles = {env: await submit_when_ready(client, s, f"{job_id}-{env}") for env, s in jobs.items()}
-        metrics = {env: await follow(h, 900, services) for env, h in handles.items()}
-        for env, h in handles.items():
-            rec = await h.wait(timeout_s=30, raise_on_failure=False)
-            assert rec.state == JobState.COMPLETED, (env, rec, services.logs())
+    handles, metrics = await train_jobs(nats_url, services, jobs, job_id, 900)
     for env, h in handles.items():
         n = jobs[env]["steps"] * jobs[env]["prompts_per_step"] * jobs[env]["group_size"]
         await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}' "
@@ -168,13 +163,9 @@ async def test_an_env_written_for_opentinker_trains_unchanged(services, nats_url
     jobs = {"nim": spec(tiny_model, "nim", env_args={"max_pile": 7},
                         sampling={"max_new_tokens": 4, "max_turns": 3, "max_total_tokens": 1024}),
             "seed_sum": spec(tiny_model, "seed_sum")}
-    async with await Client.connect(nats_url) as client:
-        handles = {env: await submit_when_ready(client, s, f"{job_id}-{env.replace('_', '-')}")
-                   for env, s in jobs.items()}
-        for env, h in handles.items():
-            assert [m.step for m in await follow(h, 600, services) if m.split == "train"] == [0, 1], env
-            rec = await h.wait(timeout_s=30, raise_on_failure=False)
-            assert rec.state == JobState.COMPLETED, (env, rec, services.logs())
+    handles, metrics = await train_jobs(nats_url, services, jobs, job_id)
+    for env in jobs:
+        assert [m.step for m in metrics[env] if m.split == "train"] == [0, 1], env
     tok = AutoTokenizer.from_pretrained(tiny_model)
     for env, h in handles.items():
         await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}'", 8)

@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from opentinker.schemas import JobState
-from opentinker.sdk import Client
-
-from conftest import follow, log_rows, submit_when_ready
+from conftest import log_rows, train_jobs
 from test_env_jobs import check_episode, episodes, spec, start_stack
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
-# Checked without importing them: the libraries take seconds to import, which the test
-# spends while the services start.
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("verifiers") is None or importlib.util.find_spec("openenv") is None,
-    reason="pip install verifiers openenv-core")
 
 
 async def test_verifiers_and_openenv_envs_train_and_log_their_episodes(services, nats_url, tmp_path,
@@ -41,13 +33,9 @@ async def test_verifiers_and_openenv_envs_train_and_log_their_episodes(services,
         "count": spec(tiny_model, "count",
                       sampling={"max_new_tokens": 6, "max_turns": hub.COUNT_MAX_STEPS, "max_total_tokens": 1024}),
     }
-    async with await Client.connect(nats_url) as client:
-        handles = {env: await submit_when_ready(client, s, f"{job_id}-{env.replace('_', '-')}")
-                   for env, s in jobs.items()}
-        for env, h in handles.items():
-            assert [m.step for m in await follow(h, 600, services) if m.split == "train"] == [0, 1], env
-            rec = await h.wait(timeout_s=30, raise_on_failure=False)
-            assert rec.state == JobState.COMPLETED, (env, rec, services.logs())
+    handles, metrics = await train_jobs(nats_url, services, jobs, job_id)
+    for env in jobs:
+        assert [m.step for m in metrics[env] if m.split == "train"] == [0, 1], env
     for env, h in handles.items():
         n = jobs[env]["steps"] * jobs[env]["prompts_per_step"] * jobs[env]["group_size"]
         await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}'", n)

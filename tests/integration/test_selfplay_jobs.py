@@ -7,11 +7,9 @@ masks and their own rewards; the metrics carry one reward curve per seat and
 import json
 
 from opentinker.cli.views import plot
-from opentinker.schemas import JobState
-from opentinker.sdk import Client
 from opentinker.services.core.logdb import run_query
 
-from conftest import follow, log_rows, submit_when_ready
+from conftest import log_rows, train_jobs
 from test_env_jobs import check_episode, spec, start_stack
 
 
@@ -26,12 +24,7 @@ async def test_self_play_jobs_log_both_seats_and_plot_per_agent_rewards(services
         "negotiation": spec(tiny_model, "negotiation", agents=2, env_args={"rounds": 2},
                             sampling={"max_new_tokens": 4, "max_turns": 2, "max_total_tokens": 1024}),
     }
-    async with await Client.connect(nats_url) as client:
-        handles = {env: await submit_when_ready(client, s, f"{job_id}-{env}") for env, s in jobs.items()}
-        metrics = {env: await follow(h, 900, services) for env, h in handles.items()}
-        for env, h in handles.items():
-            rec = await h.wait(timeout_s=30, raise_on_failure=False)
-            assert rec.state == JobState.COMPLETED, (env, rec, services.logs())
+    handles, metrics = await train_jobs(nats_url, services, jobs, job_id, 900)
     for env, h in handles.items():
         s = jobs[env]
         n = s["steps"] * s["prompts_per_step"] * s["group_size"] * 2  # one trajectory per seat

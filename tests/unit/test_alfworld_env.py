@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("alfworld", reason="needs the alfworld package (pip install alfworld)")
-
-from fixtures.alfworld_games import GAMES, make_alfworld_data  # noqa: E402
-from opentinker.services.envhost.envs import alfworld as alf  # noqa: E402
-from opentinker.services.envhost.envs.alfworld import AlfWorldGame, parse_action  # noqa: E402
-from opentinker.services.envhost.service import initial_state, open_episode  # noqa: E402
+from fixtures.alfworld_games import GAMES, make_alfworld_data
+from opentinker.services.envhost.envs import alfworld as alf
+from opentinker.services.envhost.envs.alfworld import AlfWorldGame, parse_action
+from opentinker.services.envhost.service import initial_state, open_episode
 
 WELCOME = "-= Welcome to TextWorld, ALFRED! =-"
 

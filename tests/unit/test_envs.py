@@ -22,7 +22,7 @@ def play(game, state, action):
 
 def test_registry_names_every_builtin():
     assert set(BUILTIN) == {"arith", "gsm8k", "guess-number", "code-math", "gomoku", "bandit", "gomoku-duel",
-                            "negotiation", "alfworld", "android-world"}
+                            "negotiation", "scienceworld", "alfworld", "android-world"}
 
 
 @pytest.mark.parametrize("reply, reward", [

@@ -9,11 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verifiers", reason="pip install verifiers")
-pytest.importorskip("openenv.core.env_server", reason="pip install openenv-core")
-
-from opentinker.services.envhost.loader import EnvLoadError, load_class, load_envs  # noqa: E402
-from opentinker.services.envhost.service import initial_state, open_episode, take_step  # noqa: E402
+from opentinker.services.envhost.loader import EnvLoadError, load_class, load_envs
+from opentinker.services.envhost.service import initial_state, open_episode, take_step
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 F = FIXTURES / "hub_envs.py"

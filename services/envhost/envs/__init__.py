@@ -10,6 +10,7 @@
 | `gomoku` | free | multi | gomoku against a built-in opponent |
 | `gomoku-duel` | free | multi-agent | gomoku self-play: black and white seats of one policy (`agents = 2`) |
 | `negotiation` | free | multi-agent | split a pot by simultaneous demands, self-play (`agents = 2`) |
+| `scienceworld` | ScienceWorld (scienceworld package + Java) | multi | text-agent science tasks, one command a turn |
 | `alfworld` | ALFWorld ($ALFWORLD_DATA) | multi | household tasks in ALFWorld's text games (TextWorld PDDL) |
 | `android-world` | - | - | not served: needs an Android emulator (raises with the reason) |
 """
