@@ -25,7 +25,7 @@ def infer_settings(args: argparse.Namespace) -> dict[str, Any]:
         except SpecError as e:
             raise SystemExit(f"{args.config}: {e}") from None
         base = {"env": spec.env, "env_args": dict(spec.env_args), "model": spec.model,
-                "sampling": spec.sampling}
+                "sampling": spec.sampling, "agents": spec.agents}
     env_args = dict(base.get("env_args", {}))
     for item in args.env_arg:
         key, sep, raw = item.partition("=")
@@ -44,7 +44,7 @@ def infer_settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(env=env, env_args=env_args, model=args.model or (None if args.job else base.get("model")),
                 adapter=args.adapter, job=args.job, episodes=args.episodes, group_size=args.group_size,
                 split=args.split, seed=args.seed, sampling=sampling, engine=args.engine,
-                timeout_s=args.timeout)
+                timeout_s=args.timeout, agents=args.agents or base.get("agents", 1))
 
 
 async def _infer(args: argparse.Namespace, nats_url: str) -> int:
@@ -101,6 +101,8 @@ def register(sub) -> None:
     src.add_argument("--job", help="a job id: its latest policy")
     s.add_argument("--episodes", type=int, default=32)
     s.add_argument("--group-size", type=int, default=1, help="episodes per initial state")
+    s.add_argument("--agents", type=int, default=0,
+                   help="seats of a multi-agent env (default: the CONFIG's, the job's, or 1)")
     s.add_argument("--split", default="test", help="the env's split (default: test, held out)")
     s.add_argument("--seed", type=int, default=0, help="same seed = same problems")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -151,11 +151,13 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
                 group_size: int = 1, split: str = "test", seed: int = 0,
                 sampling: SamplingParams | None = None, engine: str = "auto",
                 out_dir: str | Path | None = None, run_id: str = "", timeout_s: float = 1800.0,
-                on_episode: Any = None) -> InferResult:
+                on_episode: Any = None, agents: int = 1) -> InferResult:
     """Run `episodes` episodes of `env` (in groups of `group_size` sharing an initial
     state) with `model`, plus `adapter` (a peft LoRA folder) or `job`'s latest policy.
 
-    With `job` and no `model`, the job's own model is used. `sampling` defaults to
+    With `job` and no `model`, the job's own model is used. `agents`: the seats of a
+    multi-agent env (each episode gives one trajectory per seat, all played by the one
+    policy; a job's own `agents` when `job` is given and `agents` is 1). `sampling` defaults to
     greedy (temperature 0) with 256 new tokens per turn. `on_episode(traj)` is called
     as each episode arrives. Raises InferError for a bad adapter or job, a request the
     rollout service refused (its dead-letter reason), or a run not done within
@@ -170,11 +172,14 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     if episodes < 1 or group_size < 1 or episodes % group_size:
         raise ValueError(f"episodes ({episodes}) must be a positive multiple of group_size ({group_size})")
     run_id = S.check_job_id(run_id or new_run_id())
-    if job and not model:
+    if not 1 <= agents <= 8:
+        raise ValueError(f"agents: must be 1..8, got {agents}")
+    if job and (not model or agents == 1):
         try:
-            model = (await client.job(job).record()).spec.model
+            spec = (await client.job(job).record()).spec
         except KeyError:
             raise InferError(f"job: no job {job!r} on this bus") from None
+        model, agents = model or spec.model, agents if agents > 1 else spec.agents
     model = model or "smollm2-135m-instruct"
     sampling = sampling or SamplingParams(temperature=0.0, max_new_tokens=256, max_total_tokens=2048)
     if adapter:
@@ -193,7 +198,8 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     requests = [RolloutRequest(job_id=run_id, request_id=f"{run_id}-g{g}", step=0, group_index=g,
                                group_seed=episode_seed(seed, g), policy_version=version, model=model,
                                env=env, env_args=dict(env_args or {}), group_size=group_size,
-                               sampling=sampling, engine=engine, split=split, purpose="inference")
+                               sampling=sampling, engine=engine, split=split, purpose="inference",
+                               agents=agents)
                 for g in range(episodes // group_size)]
     try:
         workers, attempt = await _placement(placed, timeout_s)
@@ -236,7 +242,7 @@ async def _collect(bus, run_id: str, workers: list[str], requests: list[RolloutR
                    timeout_s: float, on_episode) -> list[Trajectory]:
     """Send `requests` to the placed workers in turn; return every episode, in order.
     Raises InferError on a refused request or after `timeout_s`."""
-    episodes = sum(r.group_size for r in requests)
+    episodes = sum(r.group_size * r.agents for r in requests)  # trajectories: one per seat
     got: dict[str, Trajectory] = {}
     done = asyncio.Event()
     refused: list[str] = []

@@ -7,6 +7,8 @@ masks and their own rewards; the metrics carry one reward curve per seat and
 import json
 
 from opentinker.cli.views import plot
+from opentinker.schemas import SamplingParams
+from opentinker.sdk import Client
 from opentinker.services.core.logdb import run_query
 
 from conftest import log_rows, train_jobs
@@ -61,3 +63,15 @@ async def test_self_play_jobs_log_both_seats_and_plot_per_agent_rewards(services
         assert all(f"reward_mean/{x}" in m.values for m in train for x in seats)
         files = plot(h.id, data_dir, tmp_path / f"plots-{env}")
         assert tmp_path / f"plots-{env}" / "agents.png" in files
+    # the trained policy plays both seats again through `infer` (agents from the job)
+    async with await Client.connect(nats_url) as client:
+        res = await client.infer(env="gomoku-duel", env_args=jobs["gomoku-duel"]["env_args"],
+                                 job=handles["gomoku-duel"].id, episodes=2, timeout_s=300,
+                                 out_dir=tmp_path / "infer", sampling=SamplingParams(
+                                     temperature=0.0, max_new_tokens=5, max_turns=3, max_total_tokens=1536))
+    by_game: dict[str, list[str]] = {}
+    for t in res.trajectories:
+        by_game.setdefault(t.game_id, []).append(t.agent)
+    assert len(by_game) == 2 and all(sorted(seats) == ["black", "white"] for seats in by_game.values())
+    assert all(t.turns and not t.error for t in res.trajectories)
+    assert res.summary["policy_version"] == 1
