@@ -293,7 +293,11 @@ class JobRun(RunLifecycle):
         elif not all(self.lag_ok(h.traj) for h in group):
             await self.drop_group(s, i, "stale")
         elif all(h.traj.error for h in group):
-            await self.drop_group(s, i, f"every episode failed: {group[0].traj.error[:500]}")
+            first = group[0].traj.error
+            if first.startswith("agents: ") and all(h.traj.error == first for h in group):
+                # the spec's seat count does not fit the env: no retry can mend that
+                raise RuntimeError(f"env {spec.env!r} does not fit the spec: {first[:500]}")
+            await self.drop_group(s, i, f"every episode failed: {first[:500]}")
         elif not seats_complete([h.traj for h in group], spec.group_size):
             await self.drop_group(s, i, "invalid")
         elif self.refill_due(s, i, group):

@@ -7,7 +7,7 @@ masks and their own rewards; the metrics carry one reward curve per seat and
 import json
 
 from opentinker.cli.views import plot
-from opentinker.schemas import SamplingParams
+from opentinker.schemas import JobState, SamplingParams
 from opentinker.sdk import Client
 from opentinker.services.core.logdb import run_query
 
@@ -75,3 +75,8 @@ async def test_self_play_jobs_log_both_seats_and_plot_per_agent_rewards(services
     assert len(by_game) == 2 and all(sorted(seats) == ["black", "white"] for seats in by_game.values())
     assert all(t.turns and not t.error for t in res.trajectories)
     assert res.summary["policy_version"] == 1
+    # a job that does not give the game its seats fails at once, saying what to set
+    async with await Client.connect(nats_url) as client:
+        bad = await client.submit(spec(tiny_model, "gomoku-duel"), job_id=f"{job_id}-one-seat")
+        rec = await bad.wait(timeout_s=120, raise_on_failure=False)
+    assert rec.state == JobState.FAILED and "set agents = 2" in rec.reason, rec
