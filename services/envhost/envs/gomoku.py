@@ -243,12 +243,9 @@ class GomokuGame(AbstractGame):
                                     ("illegal", illegal, ILLEGAL)):
             if value not in allowed:
                 raise ValueError(f"env_args.{arg}: {value!r} is not one of {allowed}")
-        rewards = {"illegal_penalty": illegal_penalty, "win_reward": win_reward,
-                   "draw_reward": draw_reward, "loss_reward": loss_reward}
-        for arg, value in rewards.items():
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value)):
-                raise ValueError(f"env_args.{arg}: must be a finite number, got {value!r}")
+        for arg, value in (("illegal_penalty", illegal_penalty), ("win_reward", win_reward),
+                           ("draw_reward", draw_reward), ("loss_reward", loss_reward)):
+            _finite(arg, value)
         self.size, self.win_length, self.level = size, win_length, opponent
         self.first, self.opening, self.illegal_mode = first, opening, illegal
         self.max_illegal = max_illegal
@@ -265,13 +262,7 @@ class GomokuGame(AbstractGame):
         opening stones as [row, column, "X" or "O"] (zero-based), drawn from `seed`."""
         rng = self.rng(f"gomoku:{split}:{seed}")
         first = rng.choice(FIRSTS[:2]) if self.first == "random" else self.first
-        lo, hi = max(0, self.size // 2 - 2), min(self.size - 1, self.size // 2 + 2)
-        centre = [(r, c) for r in range(lo, hi + 1) for c in range(lo, hi + 1)]
-        if len(centre) < 2 * self.opening:  # a long opening for a long win_length
-            centre = [(r, c) for r in range(self.size) for c in range(self.size)]
-        picked = rng.sample(centre, 2 * self.opening)
-        stones = [[r, c, MODEL if i % 2 == 0 else OPPONENT] for i, (r, c) in enumerate(picked)]
-        return {"seed": seed, "first": first, "stones": stones}
+        return {"seed": seed, "first": first, "stones": opening_stones(rng, self.size, self.opening)}
 
     def reset(self, seed: int = 0, first: str | None = None,
               stones: list[list[Any]] | None = None) -> str:
@@ -284,22 +275,7 @@ class GomokuGame(AbstractGame):
         first = first or ("model" if self.first == "random" else self.first)
         if first not in FIRSTS[:2]:
             raise ValueError(f"first: {first!r} is not one of {FIRSTS[:2]}")
-        self.board = [[EMPTY] * self.size for _ in range(self.size)]
-        for stone in stones or ():
-            if not (isinstance(stone, (list, tuple)) and len(stone) == 3):
-                raise ValueError(f"stones: {stone!r} is not [row, column, 'X' or 'O']")
-            r, c, who = stone
-            if not (isinstance(r, int) and isinstance(c, int) and 0 <= r < self.size
-                    and 0 <= c < self.size and who in (MODEL, OPPONENT)):
-                raise ValueError(f"stones: {stone!r} is not [row, column, 'X' or 'O'] on the board")
-            if self.board[r][c] != EMPTY:
-                raise ValueError(f"stones: two stones on {cell_name(r, c)}")
-            self.board[r][c] = who
-        for r, c, who in stones or ():
-            if wins_at(self.board, r, c, who, self.win_length):
-                raise ValueError(f"stones: {who} already has {self.win_length} in a row")
-        if not empties(self.board):
-            raise ValueError("stones: the board is full")
+        self.board = place_stones(self.size, stones or [], self.win_length)
         self._rng = self.rng(f"gomoku-opponent:{seed}")
         self.moves, self.illegal, self.result, self.opened = [], 0, "ongoing", ""
         if first == "opponent":
@@ -378,6 +354,48 @@ class GomokuGame(AbstractGame):
         return StepResult(f"Illegal move: {reason}. Try again ({left} more illegal "
                           f"move{'s' if left > 1 else ''} and you lose).\n{self._position()}",
                           self.illegal_penalty, False, self._info(illegal_reason=reason))
+
+
+def opening_stones(rng, size: int, opening: int) -> list[list[Any]]:
+    """`opening` stone pairs ([row, column, "X"], then [row, column, "O"], ...) on
+    distinct cells near the centre (anywhere, when the centre is too small), drawn
+    from `rng`."""
+    lo, hi = max(0, size // 2 - 2), min(size - 1, size // 2 + 2)
+    centre = [(r, c) for r in range(lo, hi + 1) for c in range(lo, hi + 1)]
+    if len(centre) < 2 * opening:  # a long opening for a long win_length
+        centre = [(r, c) for r in range(size) for c in range(size)]
+    picked = rng.sample(centre, 2 * opening)
+    return [[r, c, MODEL if i % 2 == 0 else OPPONENT] for i, (r, c) in enumerate(picked)]
+
+
+def place_stones(size: int, stones: list[Any], win_length: int) -> Board:
+    """A `size` board holding `stones` ([row, column, "X" or "O"], zero-based).
+
+    Raises ValueError naming `stones` for a malformed stone, one off the board or on
+    another, a position that is already won, or a full board.
+    """
+    board = [[EMPTY] * size for _ in range(size)]
+    for stone in stones:
+        if not (isinstance(stone, (list, tuple)) and len(stone) == 3):
+            raise ValueError(f"stones: {stone!r} is not [row, column, 'X' or 'O']")
+        r, c, who = stone
+        if not (isinstance(r, int) and isinstance(c, int) and 0 <= r < size
+                and 0 <= c < size and who in (MODEL, OPPONENT)):
+            raise ValueError(f"stones: {stone!r} is not [row, column, 'X' or 'O'] on the board")
+        if board[r][c] != EMPTY:
+            raise ValueError(f"stones: two stones on {cell_name(r, c)}")
+        board[r][c] = who
+    for r, c, who in stones:
+        if wins_at(board, r, c, who, win_length):
+            raise ValueError(f"stones: {who} already has {win_length} in a row")
+    if not empties(board):
+        raise ValueError("stones: the board is full")
+    return board
+
+
+def _finite(arg: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"env_args.{arg}: must be a finite number, got {value!r}")
 
 
 def _int_in(arg: str, value: Any, lo: int, hi: int) -> None:

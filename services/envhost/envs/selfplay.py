@@ -11,13 +11,12 @@ played by the job's policy, each seat gets its own trajectory and reward.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 from opentinker.environment.multi_agent import MultiAgentGame, PhaseResult
-from opentinker.services.envhost.envs.gomoku import (EMPTY, cell_name, empties, parse_move, render, wins_at,
-                                                     _int_in)
+from opentinker.services.envhost.envs.gomoku import (EMPTY, _finite, _int_in, cell_name, empties, opening_stones,
+                                                     parse_move, place_stones, render, wins_at)
 
 _NUMBER = re.compile(r"-?\d+")
 DUEL_ILLEGAL = ("retry", "loss", "random")
@@ -65,8 +64,7 @@ class GomokuDuelGame(MultiAgentGame):
             raise ValueError(f"env_args.illegal: {illegal!r} is not one of {DUEL_ILLEGAL}")
         for arg, value in (("illegal_penalty", illegal_penalty), ("win_reward", win_reward),
                            ("loss_reward", loss_reward)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"env_args.{arg}: must be a finite number, got {value!r}")
+            _finite(arg, value)
         self.size, self.win_length, self.opening, self.illegal_mode = size, win_length, opening, illegal
         self.illegal_penalty, self.max_illegal = float(illegal_penalty), max_illegal
         self.win_reward, self.loss_reward = float(win_reward), float(loss_reward)
@@ -77,25 +75,14 @@ class GomokuDuelGame(MultiAgentGame):
 
     def generate_initial_state(self, seed: int, split: str = "train") -> dict[str, Any]:
         """{"stones": [[row, column, "X" or "O"], ...]}: the opening, drawn from `seed`."""
-        rng = self.rng(f"gomoku-duel:{split}:{seed}")
-        lo, hi = max(0, self.size // 2 - 2), min(self.size - 1, self.size // 2 + 2)
-        centre = [(r, c) for r in range(lo, hi + 1) for c in range(lo, hi + 1)]
-        picked = rng.sample(centre, 2 * self.opening)
-        return {"seed": seed, "stones": [[r, c, "X" if i % 2 == 0 else "O"] for i, (r, c) in enumerate(picked)]}
+        return {"seed": seed, "stones": opening_stones(self.rng(f"gomoku-duel:{split}:{seed}"), self.size,
+                                                       self.opening)}
 
     def reset(self, stones: list[list[Any]] | None = None, seed: int = 0, **_: Any) -> str:
         """Place the opening `stones`; black moves next. Raises ValueError naming
-        `stones` for a stone off the board, on another, or a finished position."""
-        self.board = [[EMPTY] * self.size for _ in range(self.size)]
-        for stone in stones or ():
-            ok = isinstance(stone, (list, tuple)) and len(stone) == 3
-            r, c, who = stone if ok else (None, None, None)
-            if not (ok and isinstance(r, int) and isinstance(c, int) and 0 <= r < self.size
-                    and 0 <= c < self.size and who in ("X", "O") and self.board[r][c] == EMPTY):
-                raise ValueError(f"stones: {stone!r} is not [row, column, 'X' or 'O'] on an empty cell")
-            self.board[r][c] = who
-            if wins_at(self.board, r, c, who, self.win_length):
-                raise ValueError(f"stones: {who} already has {self.win_length} in a row")
+        `stones` for a stone off the board, on another, or a finished position
+        (gomoku.place_stones)."""
+        self.board = place_stones(self.size, stones or [], self.win_length)
         self.to_move, self.result, self.moves = "black", "ongoing", []
         self.illegal = {a: 0 for a in self.agents}
         self._rng = self.rng(f"gomoku-duel-random:{seed}:{stones}")
@@ -204,9 +191,7 @@ class NegotiationGame(MultiAgentGame):
         _int_in("rounds", rounds, 1, 20)
         if isinstance(discount, bool) or not isinstance(discount, (int, float)) or not 0 < discount <= 1:
             raise ValueError(f"env_args.discount: must be in (0, 1], got {discount!r}")
-        if isinstance(no_deal_reward, bool) or not isinstance(no_deal_reward, (int, float)) \
-                or not math.isfinite(no_deal_reward):
-            raise ValueError(f"env_args.no_deal_reward: must be a finite number, got {no_deal_reward!r}")
+        _finite("no_deal_reward", no_deal_reward)
         self.fixed_pot, self.rounds, self.discount = pot, rounds, float(discount)
         self.no_deal_reward = float(no_deal_reward)
         self.pot, self.round, self.result = 0, 0, "ongoing"
