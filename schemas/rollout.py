@@ -12,6 +12,10 @@ from opentinker.schemas.base import Count, MaskBit, Message, TokenId
 from opentinker.schemas.job import MAX_GROUP_SIZE, Bounded, Engine, SamplingParams
 
 
+# The start of an episode's error when the job's `agents` does not fit its env's
+# seats: the spec is wrong, so the learner fails the job instead of asking again.
+SEATS_MISMATCH = "agents: "
+
 # What an episode is for: a training step's group, a learner's evaluation, or an
 # inference job / `opentinker infer`. The learner routes trajectories on it.
 Purpose = Literal["train", "eval", "inference"]

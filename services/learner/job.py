@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 from opentinker.schemas import JobAssigned, RolloutRequest, Trajectory
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import max_generated_tokens
+from opentinker.schemas.rollout import SEATS_MISMATCH
 from opentinker.schemas.stats import derived_seed, episode_stats, lag_stats, seat_stats
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
@@ -294,7 +295,7 @@ class JobRun(RunLifecycle):
             await self.drop_group(s, i, "stale")
         elif all(h.traj.error for h in group):
             first = group[0].traj.error
-            if first.startswith("agents: ") and all(h.traj.error == first for h in group):
+            if first.startswith(SEATS_MISMATCH) and all(h.traj.error == first for h in group):
                 # the spec's seat count does not fit the env: no retry can mend that
                 raise RuntimeError(f"env {spec.env!r} does not fit the spec: {first[:500]}")
             await self.drop_group(s, i, f"every episode failed: {first[:500]}")

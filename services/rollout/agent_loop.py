@@ -46,8 +46,9 @@ from opentinker.schemas import (
     Trajectory,
     TurnRecord,
 )
+from opentinker.schemas.rollout import SEATS_MISMATCH
 from opentinker.services.core import tracing
-from opentinker.services.rollout.coordinator import Coordinator, Game, seat_opening
+from opentinker.services.rollout.coordinator import Coordinator, Game
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,44 @@ class _Episode:
         self.error = error
         self.phase = Phase.TERMINATED
 
+    def open_prompt(self, renderer: ChatRenderer, system: str, user: str,
+                    tools: list[dict[str, Any]] | None = None) -> None:
+        """The first prompt: [system,] user (and `tools`) rendered with the generation
+        prompt; no policy token."""
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self.messages.append({"role": "user", "content": user})
+        self.tools = list(tools or [])
+        self.token_ids = renderer.prompt_ids(self.messages, self.tools)
+        self.prompt_len = len(self.token_ids)
+        self.loss_mask = [0] * self.prompt_len
+        self.logprobs = [0.0] * self.prompt_len
+
+    def prompt_too_long(self, budget: int) -> str:
+        """The error for a first prompt at or past the token budget; "" when it fits."""
+        if self.prompt_len < budget:
+            return ""
+        return (f"prompt has {self.prompt_len} tokens; the token budget "
+                f"(sampling.max_total_tokens, engine max_model_len) is {budget}")
+
+    def add_action(self, out: GenOut, gen_ms: float, tokenizer: Any) -> str:
+        """Append a completion as sampled (loss mask 1, its logprobs) and the assistant
+        message; returns the action text."""
+        self.token_ids.extend(out.token_ids)
+        self.loss_mask.extend([1] * len(out.token_ids))
+        self.logprobs.extend(out.logprobs)
+        self.gen_ms += gen_ms
+        action = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": action})
+        return action
+
+    def add_observation(self, obs_ids: list[int], role: str, text: str) -> None:
+        """Append an observation's ids (loss mask 0) and its message."""
+        self.token_ids.extend(obs_ids)
+        self.loss_mask.extend([0] * len(obs_ids))
+        self.logprobs.extend([0.0] * len(obs_ids))
+        self.messages.append({"role": role, "content": text})
+
 
 @dataclass
 class _Group:
@@ -350,28 +389,23 @@ class AgentLoop:
         if reply is not None and reply.error:
             error = f"env reset: {reply.error}"
         elif reply is not None and len(reply.agents) != r.agents:
-            error = (f"agents: env {r.env!r} is single-agent; set agents = 1" if not reply.agents else
-                     f"agents: env {r.env!r} has {len(reply.agents)} seats "
+            error = (f"{SEATS_MISMATCH}env {r.env!r} is single-agent; set agents = 1" if not reply.agents else
+                     f"{SEATS_MISMATCH}env {r.env!r} has {len(reply.agents)} seats "
                      f"({', '.join(o.agent for o in reply.agents)}); the job's agents is {r.agents}")
         seats = [o.agent for o in reply.agents] if reply is not None and not error else \
             [f"seat{k}" for k in range(r.agents)]
         self._seat_up(g, game, seats)
+        game.host_id = reply.host_id if reply is not None else ""
         for e in game.seats.values():
             e.env_ms += (time.perf_counter() - t0) * 1e3
+            e.host_id = game.host_id
         if error:
             for e in game.seats.values():
                 e.fail(error)
-            if reply is not None and reply.host_id:
-                game.host_id = reply.host_id
-                for e in game.seats.values():
-                    e.host_id = reply.host_id
-                await self._close(next(iter(game.seats.values())))
+            await self._close(next(iter(game.seats.values())))  # nothing to close without a host
             return
-        game.host_id = reply.host_id
-        game.opening = seat_opening(reply.agents)
+        game.opening = {o.agent: (o.system_prompt, o.user_message) for o in reply.agents}
         game.acting = list(reply.acting)
-        for e in game.seats.values():
-            e.host_id = reply.host_id
         self.coordinator.start(game)
         if all(e.phase is Phase.TERMINATED for e in game.seats.values()):
             await self._close(next(iter(game.seats.values())))
@@ -393,21 +427,13 @@ class AgentLoop:
             return
         e.host_id = reply.host_id
         if reply.agents:
-            e.fail(f"agents: env {r.env!r} is a multi-agent game with seats "
+            e.fail(f"{SEATS_MISMATCH}env {r.env!r} is a multi-agent game with seats "
                    f"{[o.agent for o in reply.agents]}; set agents = {len(reply.agents)} in the job spec")
             await self._close(e)
             return
-        if reply.system_prompt:
-            e.messages.append({"role": "system", "content": reply.system_prompt})
-        e.messages.append({"role": "user", "content": reply.user_message})
-        e.tools = list(reply.tools)
-        e.token_ids = self.renderer.prompt_ids(e.messages, e.tools)
-        e.prompt_len = len(e.token_ids)
-        e.loss_mask = [0] * e.prompt_len
-        e.logprobs = [0.0] * e.prompt_len
-        if e.prompt_len >= self._budget(r):
-            e.fail(f"prompt has {e.prompt_len} tokens; the token budget "
-                   f"(sampling.max_total_tokens, engine max_model_len) is {self._budget(r)}")
+        e.open_prompt(self.renderer, reply.system_prompt, reply.user_message, reply.tools)
+        if too_long := e.prompt_too_long(self._budget(r)):
+            e.fail(too_long)
             await self._close(e)
             return
         e.phase = Phase.GENERATING
@@ -415,13 +441,8 @@ class AgentLoop:
     async def _interact(self, e: _Episode, out: GenOut, version: int, gen_ms: float) -> None:
         e.phase = Phase.INTERACTING
         gen_start = len(e.token_ids)
-        e.token_ids.extend(out.token_ids)
-        e.loss_mask.extend([1] * len(out.token_ids))
-        e.logprobs.extend(out.logprobs)
+        action = e.add_action(out, gen_ms, self.engine.tokenizer)
         gen_end = len(e.token_ids)
-        e.gen_ms += gen_ms
-        action = self.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        e.messages.append({"role": "assistant", "content": action})
 
         t0 = time.perf_counter()
         reply: EnvStepReply | None = None
@@ -448,10 +469,7 @@ class AgentLoop:
             obs_ids = self.renderer.observation_ids(e.messages, observation, last, out.finish_reason,
                                                     role, e.tools)
             if len(e.token_ids) + len(obs_ids) < self._budget(e.req):
-                e.token_ids.extend(obs_ids)
-                e.loss_mask.extend([0] * len(obs_ids))
-                e.logprobs.extend([0.0] * len(obs_ids))
-                e.messages.append({"role": role, "content": observation})
+                e.add_observation(obs_ids, role, observation)
                 next_phase = Phase.GENERATING
         e.turns.append(TurnRecord(
             gen_start=gen_start, gen_end=gen_end, obs_end=len(e.token_ids),

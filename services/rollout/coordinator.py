@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opentinker.schemas import EnvStepRequest, RolloutRequest, TurnRecord
 from opentinker.services.core import tracing
@@ -74,26 +74,17 @@ class Coordinator:
     # -- opening ------------------------------------------------------------------
 
     def _prompt(self, g: Game, agent: str) -> None:
-        e = g.seats[agent]
         system, user = g.opening[agent]
         if g.inbox.get(agent):
             user = "\n\n".join(x for x in (user, *g.inbox.pop(agent)) if x)
-        if system:
-            e.messages.append({"role": "system", "content": system})
-        e.messages.append({"role": "user", "content": user})
-        e.token_ids = self.loop.renderer.prompt_ids(e.messages)
-        e.prompt_len = len(e.token_ids)
-        e.loss_mask = [0] * e.prompt_len
-        e.logprobs = [0.0] * e.prompt_len
+        g.seats[agent].open_prompt(self.loop.renderer, system, user)
 
     def seat_up(self, g: Game, agent: str) -> bool:
         """Render a seat's prompt the first time it acts: its opening message and what
         it was told before then. False (and the game failed) past the token budget."""
         self._prompt(g, agent)
-        e = g.seats[agent]
-        if e.prompt_len >= self.loop._budget(g.req):
-            self.fail(g, f"seat {agent}: prompt has {e.prompt_len} tokens; the token budget "
-                         f"(sampling.max_total_tokens, engine max_model_len) is {self.loop._budget(g.req)}")
+        if too_long := g.seats[agent].prompt_too_long(self.loop._budget(g.req)):
+            self.fail(g, f"seat {agent}: {too_long}")
             return False
         return True
 
@@ -112,18 +103,12 @@ class Coordinator:
         all of them at once, then route its observations and rewards."""
         from opentinker.services.rollout.agent_loop import Phase
 
-        tok = self.loop.engine.tokenizer
         actions: dict[str, str] = {}
         for agent, out in outs.items():
             e = g.seats[agent]
             e.phase = Phase.INTERACTING
             gen_start = len(e.token_ids)
-            e.token_ids.extend(out.token_ids)
-            e.loss_mask.extend([1] * len(out.token_ids))
-            e.logprobs.extend(out.logprobs)
-            e.gen_ms += gen_ms
-            actions[agent] = tok.decode(out.token_ids, skip_special_tokens=True)
-            e.messages.append({"role": "assistant", "content": actions[agent]})
+            actions[agent] = e.add_action(out, gen_ms, self.loop.engine.tokenizer)
             g.open[agent] = OpenTurn(gen_start=gen_start, gen_end=len(e.token_ids), reward=g.carry.pop(agent, 0.0),
                                      policy_version=version, finish_reason=out.finish_reason,
                                      action=actions[agent], phase=g.phase, gen_ms=gen_ms, env_ms=0.0)
@@ -194,10 +179,7 @@ class Coordinator:
             if len(e.token_ids) + len(obs_ids) >= loop._budget(g.req):
                 self.end(g)
                 return False
-            e.token_ids.extend(obs_ids)
-            e.loss_mask.extend([0] * len(obs_ids))
-            e.logprobs.extend([0.0] * len(obs_ids))
-            e.messages.append({"role": "user", "content": text})
+            e.add_observation(obs_ids, "user", text)
             self._record(e, g.open.pop(agent))
         for agent in g.acting:
             g.seats[agent].phase = Phase.GENERATING
@@ -229,7 +211,3 @@ class Coordinator:
             e.error = error
         self.end(g)
 
-
-def seat_opening(openings: list[Any]) -> dict[str, tuple[str, str]]:
-    """seat -> (system prompt, opening user message) from an EnvResetReply's `agents`."""
-    return {o.agent: (o.system_prompt, o.user_message) for o in openings}
