@@ -111,6 +111,15 @@ def split_query(spec: str, body: str) -> tuple[str, dict[str, Any]]:
     return target, kwargs
 
 
+def refuse_env_args(kind: str, name: str, spec: str, env_args: dict[str, Any]) -> None:
+    """A hub env's arguments are the operator's (its `--env` spec), never a job's.
+    Raises ValueError naming env_args when a job passed any."""
+    if env_args:
+        raise ValueError(f"env_args: {name!r} is {kind} env ({spec}); it takes no env_args "
+                         f"(got {sorted(env_args)}): its arguments are set by the operator on the "
+                         "envhost command line")
+
+
 def _load_hub(spec: str, env_path: list[str] | None) -> type[AbstractGame]:
     # Imported here: the hub libraries are optional, and only an operator who serves one
     # needs them.

@@ -35,7 +35,7 @@ import typing
 from typing import Any, Callable
 
 from opentinker.environment.base_game import AbstractGame, StepResult
-from opentinker.services.envhost.loader import EnvLoadError, import_target, split_query
+from opentinker.services.envhost.loader import EnvLoadError, import_target, refuse_env_args, split_query
 
 PIP = "openenv-core"  # the PyPI package (the `envs` extra installs it)
 TEST_SEED_OFFSET = 2 ** 30
@@ -74,10 +74,7 @@ class OpenEnvGame(AbstractGame):
     hub_spec: str = ""
 
     def __init__(self, **env_args: Any):
-        if env_args:
-            raise ValueError(f"env_args: {self.name!r} is an OpenEnv env ({self.hub_spec}); it takes no "
-                             f"env_args (got {sorted(env_args)}): its arguments are set by the operator "
-                             "on the envhost command line")
+        refuse_env_args("an OpenEnv", self.name, self.hub_spec, env_args)
         super().__init__()
         self.env: Any = None  # the Environment instance, or a SyncEnvClient session
         self.turn = 0

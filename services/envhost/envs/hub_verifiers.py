@@ -48,7 +48,7 @@ import threading
 from typing import Any
 
 from opentinker.environment.base_game import AbstractGame, StepResult
-from opentinker.services.envhost.loader import EnvLoadError, import_target, split_query
+from opentinker.services.envhost.loader import EnvLoadError, import_target, refuse_env_args, split_query
 
 PIP = "verifiers==0.1.10"  # the PyPI package, tested version (the `envs` extra installs it)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -152,10 +152,7 @@ class VerifiersGame(AbstractGame):
     _loop_lock = threading.Lock()
 
     def __init__(self, **env_args: Any):
-        if env_args:
-            raise ValueError(f"env_args: {self.name!r} is a verifiers env ({self.hub_spec}); it takes no "
-                             f"env_args (got {sorted(env_args)}): its load arguments are set by the operator "
-                             "on the envhost command line")
+        refuse_env_args("a verifiers", self.name, self.hub_spec, env_args)
         super().__init__()
         self.state: Any = None
         self.messages: list[dict[str, Any]] = []
