@@ -156,16 +156,32 @@ def make_lora(model_dir: str, r: int, alpha: int, std: float, seed: int):
     return sd, peft.merge_and_unload()
 
 
-async def submit_when_ready(client, spec: dict, job_id: str):
-    """Submit, retrying while the scheduler is still starting."""
+async def submit_when_ready(client, spec: dict, job_id: str, services=None, timeout_s: float = 180):
+    """Submit, retrying while the scheduler is still starting (no responder yet, or a
+    request timing out while a cluster elects its JetStream leaders); after `timeout_s`
+    fails the test with the services' logs when given."""
     import asyncio
+    import time
 
-    for _ in range(100):
+    import nats.errors
+
+    from opentinker.sdk.client import Job, SpecError
+
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    while True:
         try:
             return await client.submit(spec, job_id=job_id)
-        except Exception:  # no responder yet
+        except SpecError as e:
+            if timed_out and e.field == "job_id" and "already exists" in str(e):
+                return Job(client, job_id)  # a request that timed out had reached the scheduler
+            raise
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
+            timed_out = timed_out or not isinstance(e, nats.errors.NoRespondersError)
+            if time.monotonic() > deadline:
+                pytest.fail(f"scheduler not answering within {timeout_s:.0f} s ({e!r})\n"
+                            f"{services.logs() if services else ''}")
             await asyncio.sleep(0.3)
-    return await client.submit(spec, job_id=job_id)
 
 
 async def follow(job, timeout_s: float, services) -> list:

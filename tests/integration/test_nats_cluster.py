@@ -33,7 +33,7 @@ async def test_a_node_killed_mid_job_loses_no_step_and_no_trajectory(tmp_path, h
                                                OPENTINKER_NATS_REPLICAS="3")
     client = await Client.connect(cluster.url)
     try:
-        job = await submit_when_ready(client, {**spec, "model": tiny_model}, f"cluster-{int(time.time())}")
+        job = await submit_when_ready(client, {**spec, "model": tiny_model}, f"cluster-{int(time.time())}", services)
         deadline = time.monotonic() + 300
         while not any(m.step >= KILL_AT for m in await client.bus.read_subject(S.job(job.id, "metrics"), Metrics)):
             assert time.monotonic() < deadline, services.logs()

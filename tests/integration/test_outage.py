@@ -29,7 +29,7 @@ async def test_a_nats_server_restart_mid_job_costs_time_not_the_job(tmp_path, ho
     services, procs, spec = start_logged_stack(server, home, tmp_path, monkeypatch, STEPS, "outage")
     client = await Client.connect(server.url)
     try:
-        job = await submit_when_ready(client, {**spec, "model": tiny_model}, f"outage-{int(time.time())}")
+        job = await submit_when_ready(client, {**spec, "model": tiny_model}, f"outage-{int(time.time())}", services)
         deadline = time.monotonic() + 300
         while not any(m.step >= 3 for m in await client.bus.read_subject(S.job(job.id, "metrics"), Metrics)):
             assert time.monotonic() < deadline, services.logs()
