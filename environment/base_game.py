@@ -16,6 +16,7 @@ StepResult`) runs unchanged:
         def get_user_message_with_state(self, **state) -> str: ...
         def get_interaction_name(self) -> str: ...         # default: "my" for MyGame
         def get_tools(self) -> list[dict]: ...             # tools the model may call
+        def get_initial_images(self) -> list: ...          # images for a vision-language model
 
 `__init__(**env_args)` receives the job's `env_args`. One instance serves one episode.
 
@@ -33,6 +34,15 @@ How the envhost drives a class, per GRPO group and episode:
   (OpenTinker's default rendering, with `reset`'s output as the rendered state).
 - Its name: `get_interaction_name()`; a class attribute `name` or `--name` sets it too.
 
+Images (a vision-language env): `get_initial_images()`, asked after the first user
+message is built, gives the images shown with that message; `StepResult.images` the
+images shown with a step's observation. Each image is a `PIL.Image.Image`, the bytes of
+a PNG or JPEG file (other formats Pillow reads are converted to PNG), or a str /
+pathlib.Path naming an image file. A message's images are placed, in order, before its
+text. The envhost checks them with environment/images.py (at most 8 a message, each at
+most 2 MiB encoded and 4096 x 4096 pixels); an image it cannot read or over a limit
+ends the episode with an error naming it, like an exception in `step`.
+
 Tool use: an env that returns OpenAI-style function schemas from `get_tools()` has
 them rendered by the model's chat template when the template defines tools (and its
 observations sent back as `tool` messages); with a template that does not, the env's
@@ -49,12 +59,15 @@ from typing import Any
 
 @dataclass
 class StepResult:
-    """What `step` returns. `reward` is this turn's reward; `done` ends the episode."""
+    """What `step` returns. `reward` is this turn's reward; `done` ends the episode;
+    `images` are shown, in order, before the observation's text (see the module
+    docstring for what an image may be)."""
 
     observation: str
     reward: float
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)
 
 
 class AbstractGame:
@@ -103,6 +116,12 @@ class AbstractGame:
         """Tools the model may call, as OpenAI-style function schemas
         (`{"type": "function", "function": {"name", "description", "parameters"}}`).
         Default: none."""
+        return []
+
+    def get_initial_images(self) -> list[Any]:
+        """The images shown, in order, before the first user message's text: each a
+        `PIL.Image.Image`, PNG or JPEG file bytes, or a path to an image file. Asked
+        after `reset` and the first user message. Default: none."""
         return []
 
     def get_state(self) -> dict[str, Any]:

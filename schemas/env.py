@@ -46,8 +46,9 @@ class AgentOpening(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EnvResetReply(Message, frozen=True, kw_only=True):
-    """The episode's opening: system prompt and first user message. `host_id` is where
-    its steps go. `tools`: the env's `get_tools()` (OpenAI-style function schemas).
+    """The episode's opening: system prompt and first user message (with `images`,
+    for a vision-language env). `host_id` is where its steps go. `tools`: the env's
+    `get_tools()` (OpenAI-style function schemas).
 
     A multi-agent env (environment/multi_agent.py) fills `agents` (every seat's opening,
     in seat order) and `acting` (the seats that act in the first phase) instead."""
@@ -59,6 +60,9 @@ class EnvResetReply(Message, frozen=True, kw_only=True):
     error: str = ""
     agents: list[AgentOpening] = msgspec.field(default_factory=list)
     acting: list[str] = msgspec.field(default_factory=list)
+    # the images shown with the first user message, in order (PNG or JPEG bytes; the
+    # env's `get_initial_images()`, checked by environment/images.py)
+    images: list[bytes] = msgspec.field(default_factory=list)
 
 
 class EnvStepRequest(Message, frozen=True, kw_only=True):
@@ -87,6 +91,8 @@ class EnvStepReply(Message, frozen=True, kw_only=True):
     observations: dict[str, str] = msgspec.field(default_factory=dict)
     rewards: dict[str, float] = msgspec.field(default_factory=dict)
     acting: list[str] = msgspec.field(default_factory=list)
+    # the images shown with the observation, in order (StepResult.images; PNG or JPEG)
+    images: list[bytes] = msgspec.field(default_factory=list)
 
 
 class EnvCloseRequest(Message, frozen=True, kw_only=True):

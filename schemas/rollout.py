@@ -72,6 +72,8 @@ class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
     env_ms: float = 0.0
     # a multi-agent episode's phase this turn was taken in (-1: single-agent)
     phase: int = -1
+    # images the observation after this turn showed (the next of Trajectory.images)
+    images: Count = 0
 
 
 class Trajectory(Message, frozen=True, kw_only=True):
@@ -89,6 +91,10 @@ class Trajectory(Message, frozen=True, kw_only=True):
     error:       non-empty when the episode ended on an environment or engine error
     agent:       the seat this trajectory played in a multi-agent episode ("" for a
                  single-agent env); the episode's other seats share `game_id`
+    images:      every image the policy saw (PNG or JPEG bytes), in the order their
+                 placeholder tokens appear in token_ids: the first prompt's, then each
+                 turn's observation's (TurnRecord.images of them). The learner feeds
+                 them to a vision-language model's forward; the log stores them by hash
     """
 
     job_id: str
@@ -117,6 +123,7 @@ class Trajectory(Message, frozen=True, kw_only=True):
     policy_run: str = ""
     agent: str = ""
     game_id: str = ""
+    images: list[bytes] = msgspec.field(default_factory=list)
 
     @property
     def correct(self) -> bool:

@@ -84,6 +84,15 @@ def tiny_model(home, smollm2) -> str:
     return make_tiny_model(home / "models" / "tiny-llama", smollm2)
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm(home, smollm2) -> str:
+    """A random-init LLaVA (CLIP tower, 56x56 images, 16 image tokens each; the tiny
+    Llama's text side) with SmolLM2's tokenizer plus `<image>`, and its processor."""
+    from opentinker.services.core.models import make_tiny_vlm
+
+    return make_tiny_vlm(home / "models" / "tiny-llava", smollm2)
+
+
 class Services:
     """Start OpenTinker services as subprocesses; stop them by PID. Each test's services
     form a worker pool of their own (`pool`), so a scheduler places only this test's

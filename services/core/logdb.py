@@ -9,6 +9,11 @@ Views (one row per thing, however often the recorder wrote it):
 - `metrics`: long format, one row per (job_id, split, step, key), e.g.
       SELECT step, value FROM metrics WHERE job_id = 'my-job' AND key = 'reward_mean'
 - `events`: one row per distinct job state change.
+- `images`: every image a vision-language episode showed the policy, once per
+  (job_id, sha256): `data` holds its PNG/JPEG bytes; `trajectories.image_sha256` lists
+  an episode's images in order (TurnRecord.images says which turn showed them), e.g.
+      SELECT i.data FROM trajectories t, unnest(t.image_sha256) u(h)
+      JOIN images i ON i.job_id = t.job_id AND i.sha256 = u.h WHERE t.episode_id = '...'
 - `steps`: the groups (request ids) each train step of an RL job was trained on, from
   the step's latest report (a step redone after a resume counts once, as redone):
       SELECT s.step, count(*) FROM steps s JOIN trajectories t USING (job_id, request_id)
@@ -40,7 +45,7 @@ TURN = pa.struct([
     ("gen_start", pa.int32()), ("gen_end", pa.int32()), ("obs_end", pa.int32()),
     ("reward", pa.float64()), ("policy_version", pa.int64()), ("finish_reason", pa.string()),
     ("action", pa.string()), ("observation", pa.string()),
-    ("gen_ms", pa.float64()), ("env_ms", pa.float64()),
+    ("gen_ms", pa.float64()), ("env_ms", pa.float64()), ("images", pa.int32()),
 ])
 
 SCHEMAS: dict[str, pa.Schema] = {
@@ -57,6 +62,13 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("created_s", pa.float64()), ("seq", pa.int64()),
         # a multi-agent episode's seat, and the game its seats share ("" single-agent)
         ("agent", pa.string()), ("game_id", pa.string()),
+        # the episode's images (sha256 hex, in placeholder order): rows of `images`
+        ("image_sha256", pa.list_(pa.string())),
+    ]),
+    # each image once per job, by content hash (a group's episodes share theirs)
+    "images": pa.schema([
+        ("job_id", pa.string()), ("sha256", pa.string()), ("data", pa.binary()),
+        ("width", pa.int32()), ("height", pa.int32()), ("seq", pa.int64()),
     ]),
     # Long format so `SELECT step, value FROM metrics WHERE key = 'reward_mean'` needs
     # no knowledge of which keys a job happened to log.
@@ -86,6 +98,7 @@ KEYS = {
     "metrics": ("job_id", "split", "step", "key"),
     "events": ("job_id", "state", "reason", "step", "time_s", "source"),
     "steps": ("job_id", "step", "request_id"),
+    "images": ("job_id", "sha256"),
 }
 # tables whose rows come several to a message and where only the latest message of a
 # key counts: a step redone after a resume names its groups anew, and the redone ones

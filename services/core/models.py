@@ -112,3 +112,103 @@ def make_tiny_model(out: str | Path, tokenizer_from: str) -> str:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return str(out)
+
+
+# SmolLM2's ChatML template, with a message's content either text or a list of parts
+# ({"type": "text", "text": ...} or {"type": "image"}), as vision-language processors take it
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def make_tiny_vlm(out: str | Path, tokenizer_from: str) -> str:
+    """Write a random-init LLaVA (Liu et al. 2023, arXiv 2304.08485: a CLIP vision
+    tower, a 2-layer MLP projector, a Llama) with the tokenizer of `tokenizer_from`
+    plus an `<image>` token, and its processor (56x56 images, 14-pixel patches: 16
+    image tokens per image) to `out`. Text side as make_tiny_model (head_dim 64, which
+    vLLM's CPU kernels take). For tests: a real vision-language model, seconds to run."""
+    import torch
+    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    out = Path(out)
+    if (out / "config.json").exists():
+        return str(out)
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    image_id = tok.convert_tokens_to_ids("<image>")
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=56, patch_size=14, projection_dim=64)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
+                      vision_feature_select_strategy="default", vision_feature_layer=-1,
+                      projector_hidden_act="gelu", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    images = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, chat_template=VLM_CHAT_TEMPLATE).save_pretrained(out)
+    return str(out)
+
+
+def is_vision_language(model: str) -> bool:
+    """Whether `model` (a path or hub id) is a vision-language model: its config has a
+    `vision_config` (LLaVA, Qwen2-VL, Idefics3/SmolVLM, Gemma 3, ...)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model), "vision_config", None) is not None
+
+
+def load_policy_model(model: str, **kwargs):
+    """`from_pretrained` of the model class that takes `input_ids` (and, for a
+    vision-language model, `pixel_values`) and returns next-token logits:
+    AutoModelForImageTextToText for a vision-language model, else AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cls = AutoModelForImageTextToText if is_vision_language(model) else AutoModelForCausalLM
+    return cls.from_pretrained(model, **kwargs)
+
+
+def load_processor(model: str):
+    """The Hugging Face processor (chat template, image processor, placeholder
+    expansion) of a vision-language model; None for a text model."""
+    if not is_vision_language(model):
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model)
+
+
+def vision_inputs(processor, images) -> dict:
+    """The image processor's model inputs for `images` (PNG/JPEG bytes, in placeholder
+    order): {"pixel_values": [n_images or n_patches, ...] float tensor, plus what the
+    model needs besides, e.g. Qwen2-VL's `image_grid_thw`}. Raises ValueError for
+    undecodable bytes (environment/images.decode_image)."""
+    from opentinker.environment.images import decode_image
+
+    out = processor.image_processor(images=[decode_image(b) for b in images], return_tensors="pt")
+    return dict(out)
+
+
+def lora_targets(model: str, modules: list[str]) -> list[str] | str:
+    """peft `target_modules` for a job's `lora_target_modules`: the names as given for a
+    text model; for a vision-language model a pattern that keeps them to the language
+    model (the vision tower and projector stay frozen, as LLaVA's visual instruction
+    tuning does, arXiv 2304.08485 §4.2, and vLLM applies LoRA only there)."""
+    if not is_vision_language(model) or modules == ["all-linear"]:
+        return list(modules)
+    import re
+
+    return rf".*language_model.*\.({'|'.join(re.escape(m) for m in modules)})"

@@ -8,6 +8,7 @@ from opentinker.services.envhost.envs.android_world import AndroidWorldGame
 from opentinker.services.envhost.envs.arith import ArithGame
 from opentinker.services.envhost.envs.bandit import BanditGame
 from opentinker.services.envhost.envs.code_math import CodeMathGame
+from opentinker.services.envhost.envs.geometry3k import Geometry3kGame, Geometry3kToolGame
 from opentinker.services.envhost.envs.gomoku import GomokuGame
 from opentinker.services.envhost.envs.gsm8k import GSM8KGame
 from opentinker.services.envhost.envs.guess_number import GuessNumberGame
@@ -16,5 +17,6 @@ from opentinker.services.envhost.envs.selfplay import GomokuDuelGame, Negotiatio
 
 BUILTIN: dict[str, type[AbstractGame]] = {
     cls.name: cls for cls in (ArithGame, GSM8KGame, GuessNumberGame, CodeMathGame, GomokuGame, BanditGame,
-                              GomokuDuelGame, NegotiationGame, ScienceWorldGame, AlfWorldGame, AndroidWorldGame)
+                              GomokuDuelGame, NegotiationGame, ScienceWorldGame, AlfWorldGame, AndroidWorldGame,
+                              Geometry3kGame, Geometry3kToolGame)
 }

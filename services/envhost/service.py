@@ -7,7 +7,8 @@ another job's game, whatever episode id it names.
 User code runs in threads (a slow env does not block the host), at most
 `envhost_max_concurrency` calls at once; an episode idle for `envhost_episode_ttl_s`
 is dropped. An exception in user code ends that episode with `error` =
-"<ExcType>: <message>" and the host keeps serving.
+"<ExcType>: <message>" and the host keeps serving; so does an image the env returns
+that environment/images.py refuses (unreadable, too many, too large).
 
 Reads (core request/reply):
 - `ot.env.<env>.init`  (queue group `envhost-<env>`): EnvInitRequest -> EnvInitReply
@@ -58,6 +59,7 @@ from opentinker.schemas import (
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import ENV_NAME_RE
 from opentinker.environment.base_game import AbstractGame, StepResult
+from opentinker.environment.images import check_images
 from opentinker.environment.multi_agent import MultiAgentGame, PhaseResult
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
@@ -123,6 +125,13 @@ def open_episode(cls: type[AbstractGame], env_args: dict[str, Any],
     if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
         raise TypeError("get_tools must return a list of dicts (OpenAI-style function schemas)")
     return game, str(system or ""), str(user or ""), plain(tools)
+
+
+def opening_images(game: AbstractGame) -> list[bytes]:
+    """The images of the first user message: `game.get_initial_images()` as PNG or JPEG
+    bytes. Raises ValueError naming the image that is unreadable or over a limit
+    (environment/images.py)."""
+    return check_images(game.get_initial_images())
 
 
 def open_multi_episode(cls: type[MultiAgentGame], env_args: dict[str, Any],
@@ -194,7 +203,8 @@ def take_step(game: AbstractGame, action: str) -> EnvStepReply:
     if not isinstance(r, StepResult):
         raise TypeError(f"step must return StepResult, got {type(r).__name__}")
     return EnvStepReply(observation=str(r.observation or ""), reward=float(r.reward),
-                        done=bool(r.done), info=plain(dict(r.info or {})))
+                        done=bool(r.done), info=plain(dict(r.info or {})),
+                        images=check_images(r.images))
 
 
 class EnvHost:
@@ -238,13 +248,15 @@ class EnvHost:
                 game, openings, acting = await self._user(open_multi_episode, cls, req.env_args, req.state)
             else:
                 game, system, user, tools = await self._user(open_episode, cls, req.env_args, req.state)
+                images = await self._user(opening_images, game)
         except Exception as e:  # user code
             return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
         if isinstance(game, MultiAgentGame):
             self.episodes[(req.job_id, req.episode_id)] = Episode(name, game, time.monotonic(), acting=acting)
             return EnvResetReply(host_id=self.host_id, agents=openings, acting=acting)
         self.episodes[(req.job_id, req.episode_id)] = Episode(name, game, time.monotonic())
-        return EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user, tools=tools)
+        return EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user, tools=tools,
+                             images=images)
 
     async def step(self, req: EnvStepRequest, m: Msg) -> EnvStepReply:
         key = (req.job_id, req.episode_id)

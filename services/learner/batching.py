@@ -29,6 +29,8 @@ class Batch(NamedTuple):
     logprobs:       [B, T] float  the sampler's logprob of token t+1 (target-aligned)
     advantages:     [B] float     one advantage per episode, or
                     [B, T] float  one per token (turn-level credit; target-aligned)
+    images:         every image of the batch (PNG/JPEG bytes), row by row in the order
+                    of their placeholder tokens (Trajectory.images); () for text
     """
 
     input_ids: torch.Tensor
@@ -36,6 +38,11 @@ class Batch(NamedTuple):
     loss_mask: torch.Tensor
     logprobs: torch.Tensor
     advantages: torch.Tensor
+    images: tuple[bytes, ...] = ()
+
+    def to(self, device: str | torch.device) -> Batch:
+        """The batch with every tensor on `device`."""
+        return Batch(*(t.to(device) for t in self[:5]), self.images)
 
     @property
     def num_tokens(self) -> int:
@@ -220,16 +227,17 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pa
         loss_mask[b, : n - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.float32)
         logprobs[b, : n - 1] = torch.tensor(t.logprobs[1:], dtype=torch.float32)
     logprobs *= loss_mask
+    images = tuple(im for t in trajs for im in t.images)
     if not any(isinstance(a, Sequence) for a in advantages):
         return Batch(input_ids, attention_mask, loss_mask, logprobs,
-                     torch.tensor(list(advantages), dtype=torch.float32))
+                     torch.tensor(list(advantages), dtype=torch.float32), images)
     adv = torch.zeros((B, T), dtype=torch.float32)
     for b, (t, a) in enumerate(zip(trajs, advantages)):
         if not isinstance(a, Sequence) or len(a) != len(t.token_ids):
             raise ValueError(f"episode {b}: per-token advantages must all be lists of len(token_ids)")
         if len(a) > 1:
             adv[b, : len(a) - 1] = torch.tensor(list(a[1:]), dtype=torch.float32)
-    return Batch(input_ids, attention_mask, loss_mask, logprobs, adv * loss_mask)
+    return Batch(input_ids, attention_mask, loss_mask, logprobs, adv * loss_mask, images)
 
 
 def micro_batch_indices(lengths: Sequence[int], micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:

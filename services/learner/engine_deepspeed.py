@@ -78,7 +78,9 @@ class TrainEngine:
         # DeepSpeed picks its accelerator once, at import; the settings' device decides it
         os.environ["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
         import deepspeed
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from opentinker.services.core.models import load_policy_model, load_processor, lora_targets
 
         self.spec = spec
         self.device = device
@@ -87,7 +89,9 @@ class TrainEngine:
         dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        model = load_policy_model(model_path, dtype=dtype)
+        # a vision-language model's image processor: Batch.images -> pixel values
+        self.processor = load_processor(model_path)
         model.config.use_cache = False
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         pad = self.tokenizer.pad_token_id
@@ -98,7 +102,7 @@ class TrainEngine:
             from peft import LoraConfig, get_peft_model
 
             cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0,
-                             target_modules=list(spec.lora_target_modules), bias="none",
+                             target_modules=lora_targets(model_path, list(spec.lora_target_modules)), bias="none",
                              task_type="CAUSAL_LM")
             model = get_peft_model(model, cfg)
         elif spec.kl_coef > 0:
@@ -158,7 +162,7 @@ class TrainEngine:
                 zeros = zeros + 0.0 * logits.float().sum()
             return zeros, zeros
         lo, hi = int(cols[0]), int(cols[-1]) + 1
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **self._vision(mb),
                        logits_to_keep=torch.arange(lo, hi, device=mb.input_ids.device)).logits
         sub = keep[:, lo:hi]
         targets = mb.input_ids[:, lo + 1:hi + 1]
@@ -167,6 +171,20 @@ class TrainEngine:
         logp_sel, ent_sel = selected_logprobs(logits[sub], targets[sub], temperature, entropy_grad=entropy_grad)
         del logits
         return zeros.masked_scatter(keep, logp_sel), zeros.masked_scatter(keep, ent_sel)
+
+    def _vision(self, mb: Batch) -> dict[str, torch.Tensor]:
+        """The forward's image inputs for `mb.images` (pixel values in the model's
+        dtype, on the device); {} for a text batch. Raises ValueError when a text
+        model is given images."""
+        if not mb.images:
+            return {}
+        if self.processor is None:
+            raise ValueError(f"{len(mb.images)} images in a batch for a text model (no image processor)")
+        from opentinker.services.core.models import vision_inputs
+
+        dtype = next(self.module.parameters()).dtype
+        return {k: v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device)
+                for k, v in vision_inputs(self.processor, mb.images).items()}
 
     def _ref_logprobs(self, mb: Batch, temperature: float) -> torch.Tensor:
         with torch.no_grad():
@@ -188,7 +206,7 @@ class TrainEngine:
         self.engine.eval()
         with torch.no_grad():
             for mb in batches:
-                mb = Batch(*(t.to(self.device) for t in mb))
+                mb = mb.to(self.device)
                 out.append((self._ref_logprobs(mb, temperature) if reference
                             else self._logprobs(self.engine, mb, temperature)[0]).cpu())
         self.engine.train()
@@ -251,7 +269,7 @@ class TrainEngine:
                 self.set_lr(lr)
             for k, mb0 in enumerate(u):
                 last = k == len(u) - 1
-                mb = Batch(*(t.to(self.device) for t in mb0))
+                mb = mb0.to(self.device)
                 self.engine.set_gradient_accumulation_boundary(last)
                 t0 = time.perf_counter()
                 ref = self._ref_logprobs(mb, temperature) if cfg.kl_coef > 0 else None
@@ -328,7 +346,7 @@ class TrainEngine:
         loss_sum, grad_norm = 0.0, 0.0
         for k, mb in enumerate(batches):
             last = k == len(batches) - 1
-            mb = Batch(*(t.to(self.device) for t in mb))
+            mb = mb.to(self.device)
             self.engine.set_gradient_accumulation_boundary(last)
             logp, _ = self._logprobs(self.engine, mb, 1.0)
             # select, never multiply: padding positions may hold anything
@@ -351,7 +369,7 @@ class TrainEngine:
         self.engine.eval()
         with torch.no_grad():
             for mb in batches:
-                mb = Batch(*(t.to(self.device) for t in mb))
+                mb = mb.to(self.device)
                 logp, _ = self._logprobs(self.engine, mb, 1.0)
                 nll -= float(torch.where(mb.loss_mask > 0, logp, 0.0).sum())
                 total += mb.num_tokens

@@ -65,6 +65,8 @@ TABLES = (
     Table("events", S.recorder_durable("events", S.STREAM_EVENTS), JobStateChanged, store.event_rows),
     # the same metrics messages, a second consumer: which groups each step trained on
     Table("steps", S.recorder_durable("steps", S.STREAM_METRICS), Metrics, store.step_rows),
+    # the same trajectory messages, a second consumer: their images, once each by hash
+    Table("images", S.recorder_durable("images", S.STREAM_TRAJ), Trajectory, store.image_rows),
 )
 
 

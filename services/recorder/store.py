@@ -11,6 +11,7 @@ redelivered after a crash is recognisable as the same message.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import uuid
@@ -95,7 +96,25 @@ def trajectory_rows(t: Trajectory, seq: int) -> list[dict[str, Any]]:
         "env_info": msgspec.json.encode(t.env_info).decode(), "error": t.error, "worker": t.worker,
         "engine": t.engine, "gen_ms": t.gen_ms, "env_ms": t.env_ms, "created_s": t.created_s,
         "seq": seq, "agent": t.agent, "game_id": t.game_id,
+        "image_sha256": [hashlib.sha256(b).hexdigest() for b in t.images],
     }]
+
+
+def image_rows(t: Trajectory, seq: int) -> list[dict[str, Any]]:
+    """One row per distinct image of the episode (logdb's `images` table, keyed by
+    (job_id, sha256)); none for a text episode. Raises ValueError for bytes that are
+    not an image (the message is dead-lettered)."""
+    from opentinker.environment.images import decode_image
+
+    rows, seen = [], set()
+    for b in t.images:
+        h = hashlib.sha256(b).hexdigest()
+        if h in seen:
+            continue
+        seen.add(h)
+        w, hgt = decode_image(b).size
+        rows.append({"job_id": t.job_id, "sha256": h, "data": b, "width": w, "height": hgt, "seq": seq})
+    return rows
 
 
 def metrics_rows(m: Metrics, seq: int) -> list[dict[str, Any]]:

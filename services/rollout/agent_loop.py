@@ -18,6 +18,12 @@ episode of its own.
 The trajectory keeps exactly the ids the engine was fed and produced: policy tokens
 are never detokenized and retokenized. Only observations are tokenized.
 
+Vision-language models: the env's images (with the first user message and with
+observations) become image parts of the message ahead of its text, rendered by the
+model's processor's chat template; the processor expands each image's placeholder
+into the model's image tokens, so token_ids hold exactly what the model reads, and the
+images travel with the prompt to the engine and, in the trajectory, to the learner.
+
 The engine and the env client are passed in (protocols below), so this module is
 tested with the transformers engine and an in-process env, and served by service.py
 with either engine and the NATS env client.
@@ -26,6 +32,7 @@ with either engine and the NATS env client.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -74,7 +81,8 @@ class Engine(Protocol):
     tokenizer: Any
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
-                 max_new_tokens: Sequence[int] | None = None) -> list[GenOut]: ...
+                 max_new_tokens: Sequence[int] | None = None,
+                 images: Sequence[Sequence[bytes]] | None = None) -> list[GenOut]: ...
 
 
 class EnvError(Exception):
@@ -104,31 +112,61 @@ def episode_id(request_id: str, index: int) -> str:
 
 
 class ChatRenderer:
-    """Token ids for prompts and observations from a tokenizer's chat template."""
+    """Token ids for prompts and observations from a tokenizer's chat template, or a
+    vision-language model's processor's (`processor`, None for a text model)."""
 
     _PLACEHOLDER = "\u2063ot-action\u2063"
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, processor: Any = None):
         self.tok = tokenizer
+        self.processor = processor
         self._closing: str | None = None
-        template = getattr(tokenizer, "chat_template", None) or ""
+        template = getattr(processor or tokenizer, "chat_template", None) or ""
         #: the template renders `tools` (and `tool` messages): tool calls in its own format
         self.supports_tools = isinstance(template, str) and "tools" in template
+        #: the text of one image's placeholder before expansion (e.g. "<image>")
+        self.image_token: str = getattr(processor, "image_token", "") or "" if processor is not None else ""
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                tools: list[dict[str, Any]] | None = None) -> str:
         kw = {"tools": tools} if tools and self.supports_tools else {}
-        return self.tok.apply_chat_template(messages, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt, **kw)
+        return (self.processor or self.tok).apply_chat_template(messages, tokenize=False,
+                                                                add_generation_prompt=add_generation_prompt, **kw)
 
-    def ids(self, text: str) -> list[int]:
-        # the template already holds any BOS/special tokens as text
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+    def message(self, role: str, text: str, images: int = 0) -> dict[str, Any]:
+        """A chat message: `text` as content, or with `images` the processor's parts
+        ([image] * images, then the text). Text from an env never carries placeholders
+        of its own: an image's place comes only from the images it sent. Raises
+        ValueError for images when the model is a text model."""
+        if images and not self.image_token:
+            raise ValueError(f"{images} images for a text model: serve a vision-language model")
+        if self.image_token:
+            text = text.replace(self.image_token, "")
+        if not images:
+            return {"role": role, "content": text}
+        return {"role": role, "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}
 
-    def prompt_ids(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def ids(self, text: str, images: Sequence[bytes] = ()) -> list[int]:
+        """Token ids of rendered `text` (the template already holds any BOS/special
+        tokens as text); with `images`, each placeholder expanded by the processor into
+        the model's image tokens. Raises ValueError when the images do not match the
+        placeholders (or a text model is given images)."""
+        if not images:
+            return list(self.tok(text, add_special_tokens=False)["input_ids"])
+        if self.processor is None or not self.image_token:
+            raise ValueError(f"{len(images)} images for a text model: serve a vision-language model")
+        if (n := text.count(self.image_token)) != len(images):
+            raise ValueError(f"the chat template placed {n} image placeholders for {len(images)} images")
+        from opentinker.environment.images import decode_image
+
+        enc = self.processor(text=[text], images=[decode_image(b) for b in images], add_special_tokens=False)
+        return list(enc["input_ids"][0])
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   images: Sequence[bytes] = ()) -> list[int]:
         """The first prompt: `messages` (and `tools`, where the template defines them)
-        rendered with the generation prompt."""
-        return self.ids(self.render(messages, add_generation_prompt=True, tools=tools))
+        rendered with the generation prompt; `images` those of its image parts, in order."""
+        return self.ids(self.render(messages, add_generation_prompt=True, tools=tools), images)
 
     def observation_role(self, tools: list[dict[str, Any]] | None) -> str:
         """"tool" when the env declared tools and the template renders them, else "user"."""
@@ -144,12 +182,12 @@ class ChatRenderer:
             self._closing = text[at + len(self._PLACEHOLDER):] if at >= 0 else ""
         return self._closing
 
-    def observation_ids(self, history: list[dict[str, str]], observation: str,
+    def observation_ids(self, history: list[dict[str, Any]], observation: str,
                         last_token: int | None, finish_reason: str, role: str = "user",
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+                        tools: list[dict[str, Any]] | None = None, images: Sequence[bytes] = ()) -> list[int]:
         """Ids that close the last assistant turn and open the next one with
-        `observation` as a `role` message ("user", or "tool" for a tool result), ending
-        in the generation prompt.
+        `observation` as a `role` message ("user", or "tool" for a tool result; with
+        `images` ahead of its text), ending in the generation prompt.
 
         history: the conversation so far, ending with the assistant's action text.
         The delta is the rendering with the new user message (and the generation
@@ -158,7 +196,7 @@ class ChatRenderer:
         the assistant closing when the turn was cut at max_new_tokens, only its rest
         when the sampled stop token is its start (ChatML: "\\n" after <|im_end|>).
         """
-        obs = {"role": role, "content": observation}
+        obs = self.message(role, observation, len(images))
         without = self.render(history, False, tools)
         with_obs = self.render(history + [obs], True, tools)
         if with_obs.startswith(without):
@@ -175,7 +213,7 @@ class ChatRenderer:
             stop_text = self.tok.decode([last_token], skip_special_tokens=False)
             if stop_text and closing.startswith(stop_text):
                 closing = closing[len(stop_text):]
-        return self.ids(closing + delta)
+        return self.ids(closing + delta, images)
 
 
 @dataclass
@@ -185,8 +223,9 @@ class _Episode:
     episode_id: str
     phase: Phase = Phase.PENDING
     host_id: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)  # in placeholder order
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -205,14 +244,16 @@ class _Episode:
         self.phase = Phase.TERMINATED
 
     def open_prompt(self, renderer: ChatRenderer, system: str, user: str,
-                    tools: list[dict[str, Any]] | None = None) -> None:
-        """The first prompt: [system,] user (and `tools`) rendered with the generation
-        prompt; no policy token."""
+                    tools: list[dict[str, Any]] | None = None, images: Sequence[bytes] = ()) -> None:
+        """The first prompt: [system,] user (with `images` ahead of its text, and
+        `tools`) rendered with the generation prompt; no policy token. Raises
+        ValueError for images the model cannot take (ChatRenderer.ids)."""
         if system:
-            self.messages.append({"role": "system", "content": system})
-        self.messages.append({"role": "user", "content": user})
+            self.messages.append(renderer.message("system", system))
+        self.messages.append(renderer.message("user", user, len(images)))
         self.tools = list(tools or [])
-        self.token_ids = renderer.prompt_ids(self.messages, self.tools)
+        self.images = list(images)
+        self.token_ids = renderer.prompt_ids(self.messages, self.tools, self.images)
         self.prompt_len = len(self.token_ids)
         self.loss_mask = [0] * self.prompt_len
         self.logprobs = [0.0] * self.prompt_len
@@ -235,12 +276,14 @@ class _Episode:
         self.messages.append({"role": "assistant", "content": action})
         return action
 
-    def add_observation(self, obs_ids: list[int], role: str, text: str) -> None:
-        """Append an observation's ids (loss mask 0) and its message."""
+    def add_observation(self, renderer: ChatRenderer, obs_ids: list[int], role: str, text: str,
+                        images: Sequence[bytes] = ()) -> None:
+        """Append an observation's ids (loss mask 0), its images and its message."""
         self.token_ids.extend(obs_ids)
         self.loss_mask.extend([0] * len(obs_ids))
         self.logprobs.extend([0.0] * len(obs_ids))
-        self.messages.append({"role": role, "content": text})
+        self.images.extend(images)
+        self.messages.append(renderer.message(role, text, len(images)))
 
 
 @dataclass
@@ -269,7 +312,7 @@ class AgentLoop:
         self.env = env
         self.worker = worker
         self.executor = executor
-        self.renderer = ChatRenderer(engine.tokenizer)
+        self.renderer = ChatRenderer(engine.tokenizer, getattr(engine, "processor", None))
         self.spans: dict[str, Any] = {}  # episode id -> its rollout.episode span
         self.coordinator = Coordinator(self)
 
@@ -321,8 +364,10 @@ class AgentLoop:
             # one batched call for many episodes: its own span, linked to each of them
             with tracing.span("rollout.generate", attrs={"ot.prompts": len(active), "ot.policy_version": version},
                               links=[tracing.link(e.span) for e in active]):
+                # images only where some prompt has them: a text engine keeps its signature
+                vision = {"images": [e.images for e in active]} if any(e.images for e in active) else {}
                 outs = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self.engine.generate,
+                    self.executor, functools.partial(self.engine.generate, **vision),
                     [e.token_ids for e in active], [e.req.sampling for e in active], limits)
             gen_ms = (time.perf_counter() - t0) * 1e3
             if len(outs) != len(active):
@@ -431,7 +476,12 @@ class AgentLoop:
                    f"{[o.agent for o in reply.agents]}; set agents = {len(reply.agents)} in the job spec")
             await self._close(e)
             return
-        e.open_prompt(self.renderer, reply.system_prompt, reply.user_message, reply.tools)
+        try:
+            e.open_prompt(self.renderer, reply.system_prompt, reply.user_message, reply.tools, reply.images)
+        except ValueError as err:  # images the model cannot take
+            e.fail(f"env reset: {err}")
+            await self._close(e)
+            return
         if too_long := e.prompt_too_long(self._budget(r)):
             e.fail(too_long)
             await self._close(e)
@@ -460,22 +510,28 @@ class AgentLoop:
         if reply is not None:
             e.info = dict(reply.info)
         observation = reply.observation if reply is not None else ""
+        images = list(reply.images) if reply is not None else []
 
         ended_by_env = reply is not None and (reply.done or bool(reply.error))
         next_phase = Phase.TERMINATED
+        shown = 0  # images of the observation, once it is appended
         if not e.error and not ended_by_env and len(e.turns) + 1 < e.req.sampling.max_turns:
             last = out.token_ids[-1] if out.token_ids else None
             role = self.renderer.observation_role(e.tools)
-            obs_ids = self.renderer.observation_ids(e.messages, observation, last, out.finish_reason,
-                                                    role, e.tools)
-            if len(e.token_ids) + len(obs_ids) < self._budget(e.req):
-                e.add_observation(obs_ids, role, observation)
+            try:
+                obs_ids = self.renderer.observation_ids(e.messages, observation, last, out.finish_reason,
+                                                        role, e.tools, images)
+            except ValueError as err:  # images the model cannot take
+                e.error, obs_ids = f"env step: {err}", None
+            if obs_ids is not None and len(e.token_ids) + len(obs_ids) < self._budget(e.req):
+                e.add_observation(self.renderer, obs_ids, role, observation, images)
+                shown = len(images)
                 next_phase = Phase.GENERATING
         e.turns.append(TurnRecord(
             gen_start=gen_start, gen_end=gen_end, obs_end=len(e.token_ids),
             reward=reply.reward if reply is not None else 0.0, policy_version=version,
             finish_reason=out.finish_reason, action=action, observation=observation,
-            gen_ms=gen_ms, env_ms=env_ms))
+            gen_ms=gen_ms, env_ms=env_ms, images=shown))
         e.phase = next_phase
         if next_phase is Phase.TERMINATED and not ended_by_env:
             # turn/token limit or a failed RPC: the host still holds the episode
@@ -505,4 +561,4 @@ class AgentLoop:
             policy_version=min((t.policy_version for t in e.turns), default=r.policy_version),
             env=r.env, split=r.split, purpose=r.purpose, env_info=e.info, error=e.error, worker=self.worker,
             engine=self.engine.name, gen_ms=e.gen_ms, env_ms=e.env_ms, created_s=time.time(),
-            agent=e.agent, game_id=e.game.game_id if e.game is not None else "")
+            agent=e.agent, game_id=e.game.game_id if e.game is not None else "", images=e.images)

@@ -179,7 +179,7 @@ class Coordinator:
             if len(e.token_ids) + len(obs_ids) >= loop._budget(g.req):
                 self.end(g)
                 return False
-            e.add_observation(obs_ids, "user", text)
+            e.add_observation(self.loop.renderer, obs_ids, "user", text)
             self._record(e, g.open.pop(agent))
         for agent in g.acting:
             g.seats[agent].phase = Phase.GENERATING

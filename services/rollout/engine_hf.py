@@ -9,12 +9,13 @@ sampling, Holtzman et al. 2019, arXiv 1904.09751 §3.1), renormalized.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from opentinker.schemas import SamplingParams
+from opentinker.services.core.models import load_policy_model, load_processor, vision_inputs
 from opentinker.services.rollout.agent_loop import GenOut
 
 MAX_BATCH = 64  # rows per forward pass; bounds the KV cache on a small machine
@@ -55,10 +56,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 
 
 class HFEngine:
-    """A transformers causal LM that samples batches of token-id prompts.
+    """A transformers causal LM (or vision-language model) that samples batches of
+    token-id prompts.
 
     model: a path or hub id; device "cpu" or "cuda"; dtype a torch dtype name.
     Weights are loaded in place by Hugging Face parameter name (`load_weights`).
+    `processor`: a vision-language model's processor (None for a text model); its
+    prompts hold each image's placeholder tokens already expanded, and the images go
+    to the prefill forward as pixel values.
     """
 
     name = "hf"
@@ -66,10 +71,11 @@ class HFEngine:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 2048):
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
+        self.processor = load_processor(model)
+        self.model = load_policy_model(model, dtype=getattr(torch, dtype)).to(device)
         self.model.eval()
         self.device = torch.device(device)
-        cfg = self.model.config
+        cfg = self.model.config.get_text_config()
         self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
         self.stop_ids = stop_token_ids(self.model.generation_config, self.tokenizer)
         pad = self.tokenizer.pad_token_id
@@ -77,14 +83,20 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # no fused parameters: every checkpoint tensor loads on its own
         self.packed_modules: dict[str, list[str]] = {}
+        self._w0: dict[str, torch.Tensor] = {}  # a parameter's loaded value, kept at its first change
+        #: the weights as loaded, by the model's parameter names (the names the learner
+        #: sends; a checkpoint may store them under older names, e.g. LLaVA's)
+        self.base_weights: Mapping[str, torch.Tensor] = _LoadedWeights(self)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
-                 max_new_tokens: Sequence[int] | None = None) -> list[GenOut]:
+                 max_new_tokens: Sequence[int] | None = None,
+                 images: Sequence[Sequence[bytes]] | None = None) -> list[GenOut]:
         """Sample a completion for every prompt.
 
         prompts: token ids; sampling: one for all or one per prompt; max_new_tokens:
-        an optional per-prompt cap below `sampling.max_new_tokens`. Raises ValueError
-        for a prompt that leaves no room under max_model_len.
+        an optional per-prompt cap below `sampling.max_new_tokens`; images: per prompt,
+        its images (PNG/JPEG bytes) in placeholder order. Raises ValueError for a prompt
+        that leaves no room under max_model_len, or images for a text model.
         """
         if not prompts:
             return []
@@ -95,14 +107,25 @@ class HFEngine:
             if n < 1:
                 raise ValueError(f"prompt {i} has {len(prompts[i])} tokens: no room under "
                                  f"max_model_len {self.max_model_len}")
+        imgs = [list(x) for x in images] if images is not None else [[] for _ in prompts]
         out: list[GenOut] = []
         for at in range(0, len(prompts), MAX_BATCH):
             sl = slice(at, at + MAX_BATCH)
-            out += self._generate(prompts[sl], sps[sl], limits[sl])
+            out += self._generate(prompts[sl], sps[sl], limits[sl], [b for x in imgs[sl] for b in x])
         return out
 
+    def _vision(self, images: list[bytes]) -> dict[str, torch.Tensor]:
+        """Pixel values (and the like) of `images` for the forward; {} for none."""
+        if not images:
+            return {}
+        if self.processor is None:
+            raise ValueError(f"{len(images)} images for a text model (no image processor)")
+        return {k: v.to(self.device, self.model.dtype) if v.is_floating_point() else v.to(self.device)
+                for k, v in vision_inputs(self.processor, images).items()}
+
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], sps: list[SamplingParams], limits: list[int]) -> list[GenOut]:
+    def _generate(self, prompts: list[list[int]], sps: list[SamplingParams], limits: list[int],
+                  images: list[bytes]) -> list[GenOut]:
         b, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((b, width), dtype=torch.long)
@@ -114,7 +137,9 @@ class HFEngine:
         temp = torch.tensor([s.temperature for s in sps], dtype=torch.float32, device=self.device)
         top_p = torch.tensor([s.top_p for s in sps], dtype=torch.float32, device=self.device)
 
-        res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        # the images go to the prefill only: the KV cache holds them after it
+        res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **self._vision(images))
         tokens: list[list[int]] = [[] for _ in range(b)]
         logprobs: list[list[float]] = [[] for _ in range(b)]
         reasons = ["length"] * b
@@ -139,17 +164,18 @@ class HFEngine:
         return [GenOut(t, l, r) for t, l, r in zip(tokens, logprobs, reasons)]
 
     @torch.inference_mode()
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
+    def prompt_logprobs(self, prompts: list[list[int]],
+                        images: Sequence[Sequence[bytes]] | None = None) -> list[list[float | None]]:
         """Score prompts under the current weights: element t of each list is
         log p(prompt[t] | prompt[:t]) in nats (the raw distribution), element 0 None
-        (VLLMEngine.prompt_logprobs' contract). Raises ValueError for an empty prompt or
-        one longer than max_model_len."""
+        (VLLMEngine.prompt_logprobs' contract). `images` as in generate. Raises
+        ValueError for an empty prompt or one longer than max_model_len."""
         out: list[list[float | None]] = []
         for i, p in enumerate(prompts):
             if not p or len(p) > self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens: need 1 to {self.max_model_len}")
             ids = torch.tensor([p], device=self.device)
-            logits = self.model(input_ids=ids).logits[0, :-1].float()
+            logits = self.model(input_ids=ids, **self._vision(list(images[i]) if images else [])).logits[0, :-1].float()
             lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
             out.append([None, *lp.tolist()])
         return out
@@ -167,4 +193,37 @@ class HFEngine:
                 raise ValueError(f"model has no parameter {name!r}") from None
             if p.shape != t.shape:
                 raise ValueError(f"parameter {name!r} is {tuple(p.shape)}, the update is {tuple(t.shape)}")
+            if name not in self._w0:
+                self._w0[name] = p.detach().to("cpu", copy=True)
             p.copy_(t)
+
+
+class _LoadedWeights(Mapping[str, torch.Tensor]):
+    """An HFEngine's weights as loaded (W0) by parameter name: the kept value of a
+    changed parameter, else the parameter itself (a CPU copy)."""
+
+    def __init__(self, engine: HFEngine):
+        self.engine = engine
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.engine._w0:
+            return self.engine._w0[name]
+        try:
+            return self.engine.model.get_parameter(name).detach().to("cpu", copy=True)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str) or name in self.engine._w0:
+            return name in self.engine._w0
+        try:
+            self.engine.model.get_parameter(name)
+            return True
+        except AttributeError:
+            return False
+
+    def __iter__(self):
+        return (n for n, _ in self.engine.model.named_parameters())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.engine.model.named_parameters())

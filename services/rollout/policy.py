@@ -82,7 +82,10 @@ class EngineSlot:
         # every engine call (create, generate, load) from one thread: vLLM's CPU
         # backend binds its OpenMP threads to the thread that created it
         self.executor = executor
-        self.base = BaseWeights(model_dir)
+        # the engine's own view of its loaded weights where it has one (by the names the
+        # learner sends), else the model folder's safetensors
+        own = getattr(engine, "base_weights", None)
+        self.base = own if own is not None else BaseWeights(model_dir)
         self.held = HeldWeights(self.base, engine.packed_modules)
         self.holding: PolicyId = BASE
         self.updates: OrderedDict[str, tuple[PolicyId, dict[str, torch.Tensor]]] = OrderedDict()

@@ -12,7 +12,6 @@ Problems come from GSM8K (data prepared by `opentinker data gsm8k`, read with th
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -23,6 +22,7 @@ from opentinker.services.envhost import sandbox
 from opentinker.services.envhost.envs import gsm8k
 from opentinker.services.envhost.envs.answers import verify_answer
 from opentinker.services.envhost.envs.arith import split_of
+from opentinker.services.envhost.envs.toolcall import TOOL_CALL, tool_argument
 
 SOURCES = ("gsm8k", "arith")
 TOOL_NAME = "python"
@@ -30,7 +30,6 @@ TOOL_NAME = "python"
 MAX_MEMORY_MB = 8192
 MAX_TOOL_CALLS = 1024
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # A fence with no language, or python/py; its body runs up to the closing fence.
 _FENCE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL)
 _BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
@@ -69,7 +68,7 @@ def parse_action(action: str) -> tuple[str | None, str | None, str]:
     """
     pieces: list[str] = []
     errors: list[str] = []
-    for body in _TOOL_CALL.findall(action):
+    for body in TOOL_CALL.findall(action):
         code, err = _tool_code(body)
         if err:
             errors.append(err)
@@ -77,7 +76,7 @@ def parse_action(action: str) -> tuple[str | None, str | None, str]:
             pieces.append(code)
     # Fences are looked for outside tool calls, so one inside a call's JSON string is
     # not run twice, and a final answer only outside any code.
-    prose = _TOOL_CALL.sub("", action)
+    prose = TOOL_CALL.sub("", action)
     pieces += _FENCE.findall(prose)
     prose = _FENCE.sub("", prose)
     code = "\n\n".join(pieces) if pieces else None
@@ -87,20 +86,7 @@ def parse_action(action: str) -> tuple[str | None, str | None, str]:
 
 def _tool_code(body: str) -> tuple[str, str]:
     """(code, "") from a tool call's JSON body, or ("", why it cannot be run)."""
-    try:
-        call = json.loads(body)
-        args = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
-        if isinstance(args, str):  # OpenAI style: arguments as a JSON string
-            args = json.loads(args)
-    except json.JSONDecodeError as e:
-        return "", f"the tool call is not valid JSON ({e})"
-    if not isinstance(call, dict):
-        return "", 'a tool call is a JSON object {"name": ..., "arguments": {...}}'
-    if call.get("name") != TOOL_NAME:
-        return "", f"unknown tool {call.get('name')!r}: the only tool is {TOOL_NAME!r}"
-    if not isinstance(args, dict) or not isinstance(args.get("code"), str):
-        return "", 'the python tool needs {"arguments": {"code": "<python source>"}}'
-    return args["code"], ""
+    return tool_argument(body, TOOL_NAME, "code", 'the python tool needs {"arguments": {"code": "<python source>"}}')
 
 
 class CodeMathGame(AbstractGame):
