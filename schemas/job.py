@@ -16,6 +16,8 @@ from opentinker.schemas.base import Message
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 ENV_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# a multi-agent seat name as a job spec names it (JobSpec.opponents)
+SEAT_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class SpecError(ValueError):
@@ -174,6 +176,11 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # multi-agent self-play: the seats of the env's MultiAgentGame, every one played by
     # this job's policy (environment/multi_agent.py); 1 = a single-agent env
     agents: Bounded(int, 1, 8) = 1
+    # seats played by another job's policy instead (seat -> job id, the user's own, of
+    # the same model): that job's newest weights at each generation round, never trained
+    # by this one (league play against a finished, fixed opponent or a training one);
+    # those seats are logged and measured (reward_mean/<seat>), not trained
+    opponents: dict[str, str] = msgspec.field(default_factory=dict)
     # -- the objective (loss.py): options named as in verl / TRL, each citing its source
     advantage_estimator: AdvantageEstimator = "grpo"
     clip_range_high: Bounded(float, 0, 10, note="0 = clip_range (symmetric)") = 0.0
@@ -325,6 +332,12 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
                f"an SFT job trains on one rank (got {spec.learner_ranks}); data parallel is for GRPO jobs")
     _check(spec.agents == 1 or spec.algorithm == "grpo", "agents",
            f"multi-agent self-play is for GRPO jobs (got agents = {spec.agents} with algorithm {spec.algorithm!r})")
+    _check(not spec.opponents or len(spec.opponents) < spec.agents, "opponents",
+           f"another job's policy may play at most agents - 1 seats (got {len(spec.opponents)} with "
+           f"agents = {spec.agents}): this job must play one")
+    for seat, job in spec.opponents.items():
+        _check(SEAT_RE.match(seat) is not None, "opponents", f"seat {seat[:80]!r} must match [A-Za-z0-9_-]{{1,64}}")
+        _check(JOB_ID_RE.match(job) is not None, "opponents", f"seat {seat!r}: {job[:80]!r} is not a job id")
     _check(not spec.tinker_init or (spec.algorithm == "tinker" and TINKER_INIT_RE.match(spec.tinker_init) is not None),
            "tinker_init", "only a tinker session starts from a save: <job_id>/<name>")
     if spec.algorithm == "tinker":

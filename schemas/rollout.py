@@ -53,6 +53,8 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     # seats per episode (JobSpec.agents): a multi-agent env's episode gives one
     # trajectory per seat, so a group gives group_size * agents
     agents: Bounded(int, 1, 8) = 1
+    # seats another job's policy plays (JobSpec.opponents: seat -> job id)
+    opponents: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,6 +93,9 @@ class Trajectory(Message, frozen=True, kw_only=True):
     error:       non-empty when the episode ended on an environment or engine error
     agent:       the seat this trajectory played in a multi-agent episode ("" for a
                  single-agent env); the episode's other seats share `game_id`
+    policy_of:   the job whose policy played this seat when it is not the trajectory's
+                 own job (JobSpec.opponents): its versions are that job's, and the
+                 learner never trains on it
     images:      every image the policy saw (PNG or JPEG bytes), in the order their
                  placeholder tokens appear in token_ids: the first prompt's, then each
                  turn's observation's (TurnRecord.images of them). The learner feeds
@@ -124,6 +129,7 @@ class Trajectory(Message, frozen=True, kw_only=True):
     agent: str = ""
     game_id: str = ""
     images: list[bytes] = msgspec.field(default_factory=list)
+    policy_of: str = ""
 
     @property
     def correct(self) -> bool:

@@ -61,8 +61,9 @@ def episode_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 def lag_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """`policy_lag_mean` and `policy_lag_max` over the episodes that sampled any token
-    (an episode that ended before generating trains nothing); 0.0 when there are none."""
-    lags = [policy_lag(t) for t in trajs if any(t.loss_mask)] or [0]
+    (an episode that ended before generating trains nothing) with the job's own policy
+    (not an opponent job's seat); 0.0 when there are none."""
+    lags = [policy_lag(t) for t in trajs if any(t.loss_mask) and not t.policy_of] or [0]
     return {"policy_lag_mean": statistics.fmean(lags), "policy_lag_max": float(max(lags))}
 
 

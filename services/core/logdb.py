@@ -64,6 +64,8 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("agent", pa.string()), ("game_id", pa.string()),
         # the episode's images (sha256 hex, in placeholder order): rows of `images`
         ("image_sha256", pa.list_(pa.string())),
+        # the job whose policy played this seat, when another job's (JobSpec.opponents)
+        ("policy_of", pa.string()),
     ]),
     # each image once per job, by content hash (a group's episodes share theirs)
     "images": pa.schema([

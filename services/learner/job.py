@@ -170,7 +170,8 @@ class JobRun(RunLifecycle):
                              policy_version=self.version,
                              model=spec.model, env=spec.env, env_args=spec.env_args,
                              group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine,
-                             purpose="train", attempt=self.attempt, policy_run=self.run_id, agents=spec.agents)
+                             purpose="train", attempt=self.attempt, policy_run=self.run_id, agents=spec.agents,
+                             opponents=spec.opponents)
         # the root of the group's trace: rollout, envhost and this learner's
         # trajectory spans follow it through the message headers
         worker = self.rollout_worker(i)
@@ -224,6 +225,8 @@ class JobRun(RunLifecycle):
     # -- trajectories -----------------------------------------------------------
 
     def lag_ok(self, traj: Trajectory) -> bool:
+        if traj.policy_of:
+            return True  # an opponent's seat: its versions are another job's, never trained
         if not any(traj.loss_mask):
             return True  # no sampled token (an early error): nothing of it is trained
         if traj.policy_version > 0 and traj.policy_run != self.run_id:
@@ -266,6 +269,9 @@ class JobRun(RunLifecycle):
                 raise ValueError(f"Trajectory.group_size: {traj.group_size} != the job's {spec.group_size}")
             if bool(traj.agent) != (spec.agents > 1):
                 raise ValueError(f"Trajectory.agent: {traj.agent!r} in a job with agents = {spec.agents}")
+            if traj.policy_of != spec.opponents.get(traj.agent, ""):
+                raise ValueError(f"Trajectory.policy_of: {traj.policy_of!r} for seat {traj.agent!r}; the job's "
+                                 f"opponents are {spec.opponents}")
             check_trajectory(traj, self.engine.vocab_size)
         except ValueError as e:
             await self.bus.dead_letter(m, str(e))
@@ -449,6 +455,8 @@ class JobRun(RunLifecycle):
         mask_out = None
         if spec.overlong_filter:
             mask_out = [bool(t.turns) and t.turns[-1].finish_reason == "length" for t in trajs]
+        if spec.opponents:  # another job's policy played these seats: measured, not trained
+            mask_out = [bool(t.policy_of) or bool(mask_out and mask_out[k]) for k, t in enumerate(trajs)]
         # a multi-agent group is one GRPO group per seat (by_seat orders it so): each
         # seat's return is normalized against the same seat of the group's other games
         return step_advantages(trajs, spec.prompts_per_step * spec.agents, spec.group_size, spec.advantage,

@@ -238,6 +238,7 @@ class _Episode:
     span: Any = None  # rollout.episode (tracing.py), from reset to the trajectory
     agent: str = ""  # the seat of a multi-agent game
     game: Game | None = None
+    policy_of: str = ""  # the job whose policy plays this seat ("" = the request's job)
 
     def fail(self, error: str) -> None:
         self.error = error
@@ -295,7 +296,7 @@ class _Group:
     games: list[Game] = field(default_factory=list)
 
 
-PolicyVersion = Callable[[], Awaitable[int]]
+PolicyVersion = Callable[..., Awaitable[int]]
 GroupDone = Callable[[RolloutRequest, list[Trajectory]], Awaitable[None]]
 
 
@@ -324,6 +325,8 @@ class AgentLoop:
 
         policy_version: awaited before each generation round; it makes sure the
         engine holds the policy to use and returns its version (recorded per turn).
+        Awaited with a job id (`policy_version(job_id)`) before the round's generation
+        for the seats that job's policy plays (RolloutRequest.opponents).
         on_group_done: awaited as soon as a group's episodes have all ended (publish
         and ack there, before slower groups finish).
         parents: request id -> the trace context its message carried (tracing.py);
@@ -358,29 +361,43 @@ class AgentLoop:
         await asyncio.gather(*(self._start(g) for g in groups))
         await finish_ready()
         while active := [e for g in groups for e in g.episodes if e.phase is Phase.GENERATING]:
-            version = await policy_version()
-            limits = [self._budget(e.req) - len(e.token_ids) for e in active]
-            t0 = time.perf_counter()
-            # one batched call for many episodes: its own span, linked to each of them
-            with tracing.span("rollout.generate", attrs={"ot.prompts": len(active), "ot.policy_version": version},
-                              links=[tracing.link(e.span) for e in active]):
-                # images only where some prompt has them: a text engine keeps its signature
-                vision = {"images": [e.images for e in active]} if any(e.images for e in active) else {}
-                outs = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, functools.partial(self.engine.generate, **vision),
-                    [e.token_ids for e in active], [e.req.sampling for e in active], limits)
-            gen_ms = (time.perf_counter() - t0) * 1e3
-            if len(outs) != len(active):
-                raise RuntimeError(f"engine returned {len(outs)} completions for {len(active)} prompts")
-            phases: dict[int, tuple[Game, dict[str, GenOut]]] = {}
-            for e, o in zip(active, outs):
+            # one engine call per policy: the job's own, then each opponent job's
+            by_policy: dict[str, list[_Episode]] = {}
+            for e in active:
+                by_policy.setdefault(e.policy_of, []).append(e)
+            done: list[tuple[_Episode, GenOut, int, float]] = []
+            for of, part in sorted(by_policy.items()):
+                version = await (policy_version(of) if of else policy_version())
+                outs, gen_ms = await self._generate(part, version)
+                done += [(e, o, version, gen_ms) for e, o in zip(part, outs)]
+            phases: dict[int, tuple[Game, dict[str, tuple[GenOut, int]], float]] = {}
+            for e, o, version, gen_ms in done:
                 if e.game is not None:
-                    phases.setdefault(id(e.game), (e.game, {}))[1][e.agent] = o
+                    game, got, ms = phases.setdefault(id(e.game), (e.game, {}, 0.0))
+                    got[e.agent] = (o, version)
+                    phases[id(e.game)] = (game, got, max(ms, gen_ms))
             await asyncio.gather(*(self._interact(e, o, version, gen_ms)
-                                   for e, o in zip(active, outs) if e.game is None),
-                                 *(self.coordinator.phase(game, got, version, gen_ms) for game, got in phases.values()))
+                                   for e, o, version, gen_ms in done if e.game is None),
+                                 *(self.coordinator.phase(game, got, gen_ms) for game, got, gen_ms in phases.values()))
             await finish_ready()
         return [results[i] for i in range(len(groups))]
+
+    async def _generate(self, active: list[_Episode], version: int) -> tuple[list[GenOut], float]:
+        """One batched engine call for `active` (in the executor); returns the
+        completions in order and the call's milliseconds."""
+        limits = [self._budget(e.req) - len(e.token_ids) for e in active]
+        t0 = time.perf_counter()
+        # one batched call for many episodes: its own span, linked to each of them
+        with tracing.span("rollout.generate", attrs={"ot.prompts": len(active), "ot.policy_version": version},
+                          links=[tracing.link(e.span) for e in active]):
+            # images only where some prompt has them: a text engine keeps its signature
+            vision = {"images": [e.images for e in active]} if any(e.images for e in active) else {}
+            outs = await asyncio.get_running_loop().run_in_executor(
+                self.executor, functools.partial(self.engine.generate, **vision),
+                [e.token_ids for e in active], [e.req.sampling for e in active], limits)
+        if len(outs) != len(active):
+            raise RuntimeError(f"engine returned {len(outs)} completions for {len(active)} prompts")
+        return outs, (time.perf_counter() - t0) * 1e3
 
     def _budget(self, req: RolloutRequest) -> int:
         return min(req.sampling.max_total_tokens, self.engine.max_model_len)
@@ -395,7 +412,8 @@ class AgentLoop:
     def _seat_up(self, g: _Group, game: Game, agents: list[str]) -> None:
         """The game's seat episodes (episode id `<game id>-<seat>`), one per seat."""
         for a in agents:
-            e = _Episode(g.req, len(g.episodes), f"{game.game_id}-{a}", agent=a, game=game)
+            e = _Episode(g.req, len(g.episodes), f"{game.game_id}-{a}", agent=a, game=game,
+                         policy_of=g.req.opponents.get(a, ""))
             game.seats[a] = e
             g.episodes.append(e)
             self._trace(g, e)
@@ -437,6 +455,9 @@ class AgentLoop:
             error = (f"{SEATS_MISMATCH}env {r.env!r} is single-agent; set agents = 1" if not reply.agents else
                      f"{SEATS_MISMATCH}env {r.env!r} has {len(reply.agents)} seats "
                      f"({', '.join(o.agent for o in reply.agents)}); the job's agents is {r.agents}")
+        elif reply is not None and (stray := sorted(set(r.opponents) - {o.agent for o in reply.agents})):
+            error = (f"{SEATS_MISMATCH}opponents name seats {stray} that env {r.env!r} does not have "
+                     f"(its seats: {', '.join(o.agent for o in reply.agents)})")
         seats = [o.agent for o in reply.agents] if reply is not None and not error else \
             [f"seat{k}" for k in range(r.agents)]
         self._seat_up(g, game, seats)
@@ -561,4 +582,5 @@ class AgentLoop:
             policy_version=min((t.policy_version for t in e.turns), default=r.policy_version),
             env=r.env, split=r.split, purpose=r.purpose, env_info=e.info, error=e.error, worker=self.worker,
             engine=self.engine.name, gen_ms=e.gen_ms, env_ms=e.env_ms, created_s=time.time(),
-            agent=e.agent, game_id=e.game.game_id if e.game is not None else "", images=e.images)
+            agent=e.agent, game_id=e.game.game_id if e.game is not None else "", images=e.images,
+            policy_of=e.policy_of)

@@ -1,5 +1,7 @@
 """The multi-agent coordinator: episodes of a MultiAgentGame (environment/multi_agent.py)
-where two or more seats, all played by the job's policy, take turns in one game.
+where two or more seats take turns in one game, each played by the job's policy or,
+for the seats RolloutRequest.opponents names, by another job's (its newest weights;
+the agent loop makes one engine call per policy each round).
 
 An episode (a "game") moves through phases. The envhost names the seats acting in
 each phase; their prompts join the agent loop's next batched engine call like any
@@ -98,13 +100,14 @@ class Coordinator:
 
     # -- a phase ------------------------------------------------------------------
 
-    async def phase(self, g: Game, outs: dict[str, GenOut], version: int, gen_ms: float) -> None:
-        """The acting seats' completions of this phase: record them, step the env with
-        all of them at once, then route its observations and rewards."""
+    async def phase(self, g: Game, outs: dict[str, tuple[GenOut, int]], gen_ms: float) -> None:
+        """The acting seats' completions of this phase, each with the policy version
+        that sampled it: record them, step the env with all of them at once, then
+        route its observations and rewards."""
         from opentinker.services.rollout.agent_loop import Phase
 
         actions: dict[str, str] = {}
-        for agent, out in outs.items():
+        for agent, (out, version) in outs.items():
             e = g.seats[agent]
             e.phase = Phase.INTERACTING
             gen_start = len(e.token_ids)

@@ -324,14 +324,16 @@ class RolloutWorker:
 
         run = reqs[0].policy_run
 
-        async def policy_version() -> int:
+        async def policy_version(of: str = "") -> int:
+            if of:  # an opponent job's seats: its newest policy (the scheduler checked it is the user's)
+                return await self.policies.ensure_weights(slot, of, await self.policies.newest_event(of, 0))
             return await self.policies.ensure_policy(slot, job_id, at_least, run)
 
         async def publish(req: RolloutRequest, trajs: list[Trajectory]) -> None:
             m = msg_of[req.request_id]
             tp = (m.headers or {}).get(S.H_TRACEPARENT)
             for t in trajs:
-                if t.policy_version > 0:
+                if t.policy_version > 0 and not t.policy_of:
                     t = msgspec.structs.replace(t, policy_run=run)
                 # the stream dedups msg ids across all jobs; request ids are only
                 # known to be unique within one. The trajectory carries its episode's

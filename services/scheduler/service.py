@@ -229,11 +229,13 @@ class Scheduler:
     async def submit(self, cmd: SubmitJob, user: User) -> SubmitReply:
         """Record a checked job as QUEUED (placement follows). Refuses, naming the field:
         a path in the spec outside the user's own area (access.check_spec_paths), a
-        tinker_init save of another user's job, more
-        than `max_unfinished_jobs_per_user` unfinished jobs, a taken job id."""
+        tinker_init save of another user's job, an opponent that is not the user's job of
+        the same model, more than `max_unfinished_jobs_per_user` unfinished jobs, a taken
+        job id."""
         from opentinker.services.core.access import check_model_ref, confine_path
 
-        mine = [r for r, _ in await self.records(every_pool=True) if r.user == user.name]
+        every = [r for r, _ in await self.records(every_pool=True)]
+        mine = [r for r in every if r.user == user.name]
         rules = dict(user=user.name, admin=user.role == "admin", home=self.settings.home,
                      own_jobs={r.job_id for r in mine})
         try:
@@ -245,6 +247,13 @@ class Scheduler:
             source = cmd.spec.tinker_init.partition("/")[0]
             if source and not rules["admin"] and source not in rules["own_jobs"]:
                 raise SpecError("tinker_init", f"no job {source!r} of yours saved it")
+            models = {r.job_id: r.spec.model for r in (every if rules["admin"] else mine)}
+            for seat, other in cmd.spec.opponents.items():
+                if other not in models:
+                    raise SpecError("opponents", f"seat {seat!r}: no job {other!r} of yours")
+                if models[other] != changes["model"]:
+                    raise SpecError("opponents", f"seat {seat!r}: job {other!r} trains {models[other]!r}, "
+                                                 f"this job {changes['model']!r}: a seat's policy must be of the same model")
         except SpecError as e:
             return SubmitReply(ok=False, error=str(e), field=e.field)
         cmd = msgspec.structs.replace(cmd, spec=msgspec.structs.replace(cmd.spec, **changes))

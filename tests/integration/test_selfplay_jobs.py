@@ -6,8 +6,10 @@ masks and their own rewards; the metrics carry one reward curve per seat and
 
 import json
 
+import pytest
+
 from opentinker.cli.views import plot
-from opentinker.schemas import JobState, SamplingParams
+from opentinker.schemas import JobState, SamplingParams, SpecError
 from opentinker.sdk import Client
 from opentinker.services.core.logdb import run_query
 
@@ -80,3 +82,23 @@ async def test_self_play_jobs_log_both_seats_and_plot_per_agent_rewards(services
         bad = await client.submit(spec(tiny_model, "gomoku-duel"), job_id=f"{job_id}-one-seat")
         rec = await bad.wait(timeout_s=120, raise_on_failure=False)
     assert rec.state == JobState.FAILED and "set agents = 2" in rec.reason, rec
+    # league play: a new job's black against the trained gomoku-duel job's policy on white
+    champ = handles["gomoku-duel"].id
+    league = {**jobs["gomoku-duel"], "steps": 1, "opponents": {"white": champ}}
+    async with await Client.connect(nats_url) as client:
+        for bad_spec, why in (({**league, "opponents": {"white": "no-such-job"}}, "no job 'no-such-job' of yours"),
+                              ({**league, "model": "smollm2-135m-instruct"}, "same model")):
+            with pytest.raises(SpecError) as e:
+                await client.submit(bad_spec)
+            assert e.value.field == "opponents" and why in str(e.value), e.value
+    h = (await train_jobs(nats_url, services, {"league": league}, job_id, 600))[0]["league"]
+    n = league["prompts_per_step"] * league["group_size"] * 2
+    await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}'", n)
+    cols, rows = run_query(f"SELECT agent, policy_of, turns, error FROM trajectories WHERE job_id = '{h.id}'",
+                           str(data_dir))
+    eps = [dict(zip(cols, r)) for r in rows]
+    assert len(eps) == n and not any(ep["error"] for ep in eps)
+    for ep in eps:
+        # white: the champion's newest trained policy; black: this job's own (its base at step 0)
+        assert ep["policy_of"] == (champ if ep["agent"] == "white" else "")
+        assert ep["turns"] and all((t["policy_version"] >= 1) == (ep["agent"] == "white") for t in ep["turns"])

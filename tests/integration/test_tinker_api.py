@@ -216,6 +216,11 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services):
     reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(algorithm="tinker", model=tiny_model, tinker_init=f"{alices_job}/mine"),
                                                   api_key=keys["bob"].removeprefix("tml-")), SubmitReply)
     assert not reply.ok and reply.field == "tinker_init", reply
+    # nor by seating alice's policy as the opponent of a self-play job
+    reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(model=tiny_model, env="gomoku-duel", agents=2,
+                                                               opponents={"white": alices_job}),
+                                                  api_key=keys["bob"].removeprefix("tml-")), SubmitReply)
+    assert not reply.ok and reply.field == "opponents" and f"no job {alices_job!r} of yours" in reply.error, reply
 
 
 def rl_datum(prompt: list[int], seq, advantage: float) -> "tinker.Datum":

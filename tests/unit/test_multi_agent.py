@@ -205,3 +205,38 @@ async def test_seat_count_mismatch_fails_every_seat_clearly(engine):
     [trajs] = await AgentLoop(engine, host).run([req], version0)
     assert len(trajs) == 6
     assert all("has 2 seats (black, white); the job's agents is 3" in t.error for t in trajs)
+
+
+async def test_an_opponent_jobs_policy_plays_its_seat_in_calls_of_its_own(engine):
+    """`opponents = {"white": "champ"}`: white's prompts go to the engine only after
+    the loop asked for champ's policy, never in a call with black's; its turns carry
+    champ's version and its trajectories name champ (the learner leaves them out)."""
+    host = LocalHost(GomokuDuelGame)
+    log: list = []
+
+    class Recording:
+        name, max_model_len, tokenizer = engine.name, engine.max_model_len, engine.tokenizer
+
+        def generate(self, prompts, sampling, max_new_tokens=None):
+            log.append(("generate", len(prompts)))
+            return engine.generate(prompts, sampling, max_new_tokens)
+
+    async def versions(of: str = "") -> int:
+        log.append(("policy", of))
+        return 7 if of == "champ" else 3
+
+    [trajs] = await AgentLoop(Recording(), host).run([duel_request(opponents={"white": "champ"})], versions)
+    assert len(trajs) == 4 and all(not t.error for t in trajs)
+    for t in trajs:
+        assert t.policy_of == ("champ" if t.agent == "white" else "")
+        assert t.turns and all(turn.policy_version == (7 if t.agent == "white" else 3) for turn in t.turns)
+    # every engine call follows the policy it is for; turn-based, so each round is one seat's
+    policies = [x for kind, x in log if kind == "policy"]
+    assert "champ" in policies and "" in policies
+    assert all(log[k][0] == "policy" and log[k + 1][0] == "generate" for k in range(0, len(log), 2))
+    white_turns = sum(len(t.turns) for t in trajs if t.agent == "white")
+    champ_prompts = sum(log[k + 1][1] for k in range(0, len(log), 2) if log[k] == ("policy", "champ"))
+    assert champ_prompts == white_turns
+    # an opponent on a seat the env does not have fails the job's episodes, naming it
+    [bad] = await AgentLoop(engine, host).run([duel_request(opponents={"red": "champ"})], versions)
+    assert all("opponents name seats ['red']" in t.error for t in bad)

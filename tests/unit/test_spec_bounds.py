@@ -139,6 +139,13 @@ def test_self_play_seats_are_for_grpo_jobs():
     e = refused({"algorithm": "sft", "sft_data": "d.jsonl", "agents": 2})
     assert e.field == "agents" and "GRPO" in e.reason
     assert refused({"agents": 0}).field == "agents"
+    # opponents: at most agents - 1 seats, seat names and job ids checked
+    s = spec_from_dict({"agents": 2, "opponents": {"white": "champ-1"}})
+    assert s.opponents == {"white": "champ-1"}
+    assert "agents - 1" in refused({"agents": 2, "opponents": {"black": "a", "white": "b"}}).reason
+    assert refused({"opponents": {"white": "champ"}}).field == "opponents"  # agents = 1
+    assert "not a job id" in refused({"agents": 2, "opponents": {"white": "../x"}}).reason
+    assert "must match" in refused({"agents": 2, "opponents": {"w" * 65: "champ"}}).reason
 
 
 def test_validate_job_spec_takes_the_kind():
