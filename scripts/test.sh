@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export OPENTINKER_HOME="${OPENTINKER_HOME:-$PWD/.opentinker}"
 export DS_ACCELERATOR=cpu
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 "$@"
+# the slowest tests are listed at the end (--durations): where the suite's time goes
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=25 "$@"

@@ -22,7 +22,7 @@ from opentinker.services.envhost import sandbox
 from opentinker.services.envhost.envs import gsm8k
 from opentinker.services.envhost.envs.answers import verify_answer
 from opentinker.services.envhost.envs.arith import split_of
-from opentinker.services.envhost.envs.toolcall import TOOL_CALL, tool_argument
+from opentinker.services.envhost.envs.toolcall import tool_calls
 
 SOURCES = ("gsm8k", "arith")
 TOOL_NAME = "python"
@@ -66,27 +66,15 @@ def parse_action(action: str) -> tuple[str | None, str | None, str]:
     program. A final answer is a `####` line or `\\boxed{}` outside the code. `error`
     says what was wrong with a tool call that could not be read ("" if none).
     """
-    pieces: list[str] = []
-    errors: list[str] = []
-    for body in TOOL_CALL.findall(action):
-        code, err = _tool_code(body)
-        if err:
-            errors.append(err)
-        else:
-            pieces.append(code)
     # Fences are looked for outside tool calls, so one inside a call's JSON string is
     # not run twice, and a final answer only outside any code.
-    prose = TOOL_CALL.sub("", action)
+    pieces, errors, prose = tool_calls(action, TOOL_NAME, "code",
+                                       'the python tool needs {"arguments": {"code": "<python source>"}}')
     pieces += _FENCE.findall(prose)
     prose = _FENCE.sub("", prose)
     code = "\n\n".join(pieces) if pieces else None
     final = prose if (_MARK in prose or _BOXED.search(prose)) else None
     return code, final, "; ".join(errors)
-
-
-def _tool_code(body: str) -> tuple[str, str]:
-    """(code, "") from a tool call's JSON body, or ("", why it cannot be run)."""
-    return tool_argument(body, TOOL_NAME, "code", 'the python tool needs {"arguments": {"code": "<python source>"}}')
 
 
 class CodeMathGame(AbstractGame):

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.environment.base_game import AbstractGame, StepResult
-from opentinker.services.envhost.envs.toolcall import TOOL_CALL, tool_argument
+from opentinker.services.envhost.envs.toolcall import tool_calls
 
 SPLITS = ("train", "validation", "test")
 SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "geometry3k"
@@ -437,15 +437,8 @@ def parse_action(action: str) -> tuple[list[str], str | None, list[str]]:
     comments allowed). The final answer: the text outside tool calls and blocks, when
     it has a \\boxed{}. Errors: why a tool call could not be read, one per call.
     """
-    exprs: list[str] = []
-    errors: list[str] = []
-    for body in TOOL_CALL.findall(action):
-        expr, err = _tool_expression(body)
-        if err:
-            errors.append(err)
-        else:
-            exprs.append(expr)
-    prose = TOOL_CALL.sub("", action)
+    exprs, errors, prose = tool_calls(action, TOOL_NAME, "expression",
+                                      'the calculator needs {"arguments": {"expression": "<arithmetic>"}}')
     for block in _FENCE.findall(prose):
         for line in block.splitlines():
             line = line.split("#", 1)[0].strip()
@@ -456,12 +449,6 @@ def parse_action(action: str) -> tuple[list[str], str | None, list[str]]:
     prose = _FENCE.sub("", prose)
     final = prose if boxed_answer(prose) is not None else None
     return exprs, final, errors
-
-
-def _tool_expression(body: str) -> tuple[str, str]:
-    """(expression, "") from a tool call's JSON body, or ("", why it cannot be read)."""
-    return tool_argument(body, TOOL_NAME, "expression",
-                         'the calculator needs {"arguments": {"expression": "<arithmetic>"}}')
 
 
 def run_calculator(expressions: list[str]) -> str:

@@ -10,6 +10,21 @@ import re
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
+def tool_calls(text: str, tool: str, arg: str, usage: str) -> tuple[list[str], list[str], str]:
+    """The `<tool_call>`s in `text`: (the argument `arg` of each usable call to `tool`,
+    why each other call cannot be used, the text outside the calls). `usage` as in
+    tool_argument."""
+    args: list[str] = []
+    errors: list[str] = []
+    for body in TOOL_CALL.findall(text):
+        value, err = tool_argument(body, tool, arg, usage)
+        if err:
+            errors.append(err)
+        else:
+            args.append(value)
+    return args, errors, TOOL_CALL.sub("", text)
+
+
 def tool_argument(body: str, tool: str, arg: str, usage: str) -> tuple[str, str]:
     """(the string argument `arg` of a call to `tool`, "") from a tool call's JSON
     `body`, or ("", why it cannot be used). `usage` ends the message for a call without
