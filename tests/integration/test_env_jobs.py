@@ -26,11 +26,11 @@ def spec(model: str, env: str, **kw) -> dict:
             "group_size": 2, "steps": 2, "lr": 1e-3, "checkpoint_every": 2, "sampling": sampling, **kw}
 
 
-def start_stack(services, data_dir, envhost_args=None):
+def start_stack(services, data_dir, envhost_args=None, engine: str = "hf"):
     for name in ("scheduler", "learner"):
         services.start(name)
     services.start("envhost", args=envhost_args)
-    services.start("rollout", "engine=hf")
+    services.start("rollout", f"engine={engine}")
     services.start("recorder", f"data_dir={data_dir}", "recorder_flush_s=0.5")
 
 
