@@ -69,6 +69,11 @@ class Example:
         no sampler here)."""
         return [0.0] * len(self.token_ids)
 
+    @property
+    def images(self) -> list[bytes]:
+        """None: SFT examples are text (build_batch reads a Trajectory's images)."""
+        return []
+
 
 # -- from the trajectory log ------------------------------------------------------
 

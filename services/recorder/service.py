@@ -38,6 +38,7 @@ import pyarrow as pa
 from nats.aio.msg import Msg
 
 from opentinker.schemas import JobStateChanged, Metrics, Trajectory
+from opentinker.schemas.codec import decode
 from opentinker.schemas import subjects as S
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
@@ -57,6 +58,10 @@ class Table:
     durable: S.Durable
     kind: type
     rows: Callable[[Any, int], list[dict[str, Any]]]
+    # a second table of a stream leaves dead-lettering a message that does not decode or
+    # names another job to the first one (one bad message, one dead letter), and only
+    # drops it from its own consumer; rows that do not fit its own table it dead-letters
+    dead_letters: bool = True
 
 
 TABLES = (
@@ -64,9 +69,9 @@ TABLES = (
     Table("metrics", S.recorder_durable("metrics", S.STREAM_METRICS), Metrics, store.metrics_rows),
     Table("events", S.recorder_durable("events", S.STREAM_EVENTS), JobStateChanged, store.event_rows),
     # the same metrics messages, a second consumer: which groups each step trained on
-    Table("steps", S.recorder_durable("steps", S.STREAM_METRICS), Metrics, store.step_rows),
+    Table("steps", S.recorder_durable("steps", S.STREAM_METRICS), Metrics, store.step_rows, dead_letters=False),
     # the same trajectory messages, a second consumer: their images, once each by hash
-    Table("images", S.recorder_durable("images", S.STREAM_TRAJ), Trajectory, store.image_rows),
+    Table("images", S.recorder_durable("images", S.STREAM_TRAJ), Trajectory, store.image_rows, dead_letters=False),
 )
 
 
@@ -118,7 +123,14 @@ async def record(bus: Bus, settings: Settings, t: Table, stop: asyncio.Event) ->
 async def take(bus: Bus, t: Table, m: Msg, buf: Buffer) -> None:
     """Decode `m` and convert its rows to the table's Parquet columns into `buf`, or
     dead-letter it naming the field (and never see it again)."""
-    item = await bus.decode_or_dead_letter(m, t.kind)
+    if t.dead_letters:
+        item = await bus.decode_or_dead_letter(m, t.kind)
+    else:
+        try:
+            item = decode(m.data, t.kind)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            item = None
+            await m.term()
     if item is None:
         return
     seq = m.metadata.sequence.stream
@@ -126,6 +138,12 @@ async def take(bus: Bus, t: Table, m: Msg, buf: Buffer) -> None:
         S.check_job_id(item.job_id)  # it becomes a folder name
         if item.job_id != S.job_id_of(m.subject):
             raise ValueError(f"job_id {item.job_id!r} does not match subject {m.subject!r}")
+    except ValueError as e:
+        if t.dead_letters:
+            await bus.dead_letter(m, f"{t.kind.__name__}: {e}")
+        await m.term()
+        return
+    try:
         # checked here, not at flush: a value the columns cannot hold (a step >= 2**63)
         # would otherwise fail the whole part, and the recorder with it, at every restart
         rows = store.to_table(t.name, t.rows(item, seq))

@@ -106,6 +106,36 @@ async def test_bad_messages_are_dead_lettered_and_recording_goes_on(bus, service
     assert run_query("SELECT count(*) FROM trajectories WHERE job_id = 'someone-else'", log)[1] == [(0,)]
 
 
+async def test_images_are_logged_once_by_hash_and_a_bad_one_is_dead_lettered(bus, services, job_id, tmp_path):
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    log = tmp_path / "log"
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("recorder")),
+                            deliver_policy=DeliverPolicy.NEW)
+    proc = services.start("recorder", f"data_dir={log}", *FAST)
+    buf = io.BytesIO()
+    Image.new("RGB", (20, 10), "red").save(buf, "PNG")
+    png = buf.getvalue()
+    subj = S.job(job_id, "traj")
+    # a group's two episodes show the same diagram (twice in the second): one row of `images`
+    for i, imgs in enumerate(([png], [png, png])):
+        await bus.publish(subj, msgspec.structs.replace(traj(job_id, 0, i, 1.0), images=imgs))
+    # bytes that are no image: the trajectory is logged, the image dead-lettered
+    await bus.publish(subj, msgspec.structs.replace(traj(job_id, 0, 2, 0.0), images=[b"not an image"]))
+    await until(count(job_id), log, [(3,)], proc)
+    h = hashlib.sha256(png).hexdigest()
+    await until(f"SELECT sha256, width, height, data = from_hex('{png.hex()}') FROM images "
+                f"WHERE job_id = '{job_id}'", log, [(h, 20, 10, True)], proc)
+    rows = run_query(f"SELECT episode_id, image_sha256 FROM trajectories WHERE job_id = '{job_id}' "
+                     "ORDER BY episode_id", log)[1]
+    assert [r[1] for r in rows] == [[h], [h, h], [hashlib.sha256(b"not an image").hexdigest()]]
+    recs = [decode(m.data, DeadLetter) for m in await bus.fetch(dlq, 10, 5)]
+    assert len(recs) == 1 and recs[0].subject == subj and "image" in recs[0].reason, recs
+
+
 async def test_restarts_neither_lose_nor_double_rows(bus, services, job_id, tmp_path):
     log = tmp_path / "log"
     # A takes messages but never flushes them (huge batch, long interval), then dies.
