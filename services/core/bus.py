@@ -557,13 +557,15 @@ class Bus:
             await asyncio.sleep(1.0)
             return []
 
-    async def decode_or_dead_letter(self, m: Msg, kind: type[T]) -> T | None:
-        """Decode `m` as `kind`; on failure dead-letter it, terminate it (no
-        redelivery), and return None."""
+    async def decode_or_dead_letter(self, m: Msg, kind: type[T], report: bool = True) -> T | None:
+        """Decode `m` as `kind`; on failure dead-letter it (unless not `report`: another
+        consumer of the same message reports it), terminate it (no redelivery), and
+        return None."""
         try:
             return decode(m.data, kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            await self.dead_letter(m, undecodable(kind, e))
+            if report:
+                await self.dead_letter(m, undecodable(kind, e))
             await m.term()
             return None
 

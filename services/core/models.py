@@ -191,23 +191,29 @@ def load_processor(model: str):
     return AutoProcessor.from_pretrained(model)
 
 
-def vision_inputs(processor, images) -> dict:
+def vision_inputs(processor, images, device, dtype) -> dict:
     """The image processor's model inputs for `images` (PNG/JPEG bytes, in placeholder
-    order): {"pixel_values": [n_images or n_patches, ...] float tensor, plus what the
-    model needs besides, e.g. Qwen2-VL's `image_grid_thw`}. Raises ValueError for
-    undecodable bytes (environment/images.decode_image)."""
+    order) on `device`: {"pixel_values": [n_images or n_patches, ...] tensor in `dtype`
+    (the model's), plus what the model needs besides, e.g. Qwen2-VL's `image_grid_thw`,
+    as the processor made it}; {} for no images. Raises ValueError for undecodable
+    bytes (environment/images.decode_image), or images without a `processor` (a text
+    model)."""
+    if not images:
+        return {}
+    if processor is None:
+        raise ValueError(f"{len(images)} images for a text model (no image processor)")
     from opentinker.environment.images import decode_image
 
     out = processor.image_processor(images=[decode_image(b) for b in images], return_tensors="pt")
-    return dict(out)
+    return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in out.items()}
 
 
-def lora_targets(model: str, modules: list[str]) -> list[str] | str:
+def lora_targets(modules: list[str], vision: bool) -> list[str] | str:
     """peft `target_modules` for a job's `lora_target_modules`: the names as given for a
-    text model; for a vision-language model a pattern that keeps them to the language
-    model (the vision tower and projector stay frozen, as LLaVA's visual instruction
-    tuning does, arXiv 2304.08485 §4.2, and vLLM applies LoRA only there)."""
-    if not is_vision_language(model) or modules == ["all-linear"]:
+    text model; for a vision-language model (`vision`) a pattern that keeps them to the
+    language model (the vision tower and projector stay frozen, as LLaVA's visual
+    instruction tuning does, arXiv 2304.08485 §4.2, and vLLM applies LoRA only there)."""
+    if not vision or modules == ["all-linear"]:
         return list(modules)
     import re
 

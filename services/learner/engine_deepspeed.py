@@ -101,9 +101,9 @@ class TrainEngine:
         if self.kind == "lora":
             from peft import LoraConfig, get_peft_model
 
+            targets = lora_targets(list(spec.lora_target_modules), vision=self.processor is not None)
             cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0,
-                             target_modules=lora_targets(model_path, list(spec.lora_target_modules)), bias="none",
-                             task_type="CAUSAL_LM")
+                             target_modules=targets, bias="none", task_type="CAUSAL_LM")
             model = get_peft_model(model, cfg)
         elif spec.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(device)
@@ -173,18 +173,11 @@ class TrainEngine:
         return zeros.masked_scatter(keep, logp_sel), zeros.masked_scatter(keep, ent_sel)
 
     def _vision(self, mb: Batch) -> dict[str, torch.Tensor]:
-        """The forward's image inputs for `mb.images` (pixel values in the model's
-        dtype, on the device); {} for a text batch. Raises ValueError when a text
-        model is given images."""
-        if not mb.images:
-            return {}
-        if self.processor is None:
-            raise ValueError(f"{len(mb.images)} images in a batch for a text model (no image processor)")
+        """The forward's image inputs for `mb.images` (models.vision_inputs); {} for a
+        text batch. Raises ValueError when a text model is given images."""
         from opentinker.services.core.models import vision_inputs
 
-        dtype = next(self.module.parameters()).dtype
-        return {k: v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device)
-                for k, v in vision_inputs(self.processor, mb.images).items()}
+        return vision_inputs(self.processor, mb.images, self.device, next(self.module.parameters()).dtype)
 
     def _ref_logprobs(self, mb: Batch, temperature: float) -> torch.Tensor:
         with torch.no_grad():

@@ -38,7 +38,6 @@ import pyarrow as pa
 from nats.aio.msg import Msg
 
 from opentinker.schemas import JobStateChanged, Metrics, Trajectory
-from opentinker.schemas.codec import decode
 from opentinker.schemas import subjects as S
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
@@ -123,14 +122,7 @@ async def record(bus: Bus, settings: Settings, t: Table, stop: asyncio.Event) ->
 async def take(bus: Bus, t: Table, m: Msg, buf: Buffer) -> None:
     """Decode `m` and convert its rows to the table's Parquet columns into `buf`, or
     dead-letter it naming the field (and never see it again)."""
-    if t.dead_letters:
-        item = await bus.decode_or_dead_letter(m, t.kind)
-    else:
-        try:
-            item = decode(m.data, t.kind)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            item = None
-            await m.term()
+    item = await bus.decode_or_dead_letter(m, t.kind, report=t.dead_letters)
     if item is None:
         return
     seq = m.metadata.sequence.stream

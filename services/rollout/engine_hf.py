@@ -116,12 +116,7 @@ class HFEngine:
 
     def _vision(self, images: list[bytes]) -> dict[str, torch.Tensor]:
         """Pixel values (and the like) of `images` for the forward; {} for none."""
-        if not images:
-            return {}
-        if self.processor is None:
-            raise ValueError(f"{len(images)} images for a text model (no image processor)")
-        return {k: v.to(self.device, self.model.dtype) if v.is_floating_point() else v.to(self.device)
-                for k, v in vision_inputs(self.processor, images).items()}
+        return vision_inputs(self.processor, images, self.device, self.model.dtype)
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], sps: list[SamplingParams], limits: list[int],
