@@ -558,9 +558,7 @@ class Bus:
             return []
 
     async def decode_or_dead_letter(self, m: Msg, kind: type[T], report: bool = True) -> T | None:
-        """Decode `m` as `kind`; on failure dead-letter it (unless not `report`: another
-        consumer of the same message reports it), terminate it (no redelivery), and
-        return None."""
+        """Decode `m` as `kind`, or dead-letter it (if `report`), term it and return None."""
         try:
             return decode(m.data, kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
