@@ -38,7 +38,9 @@ OpenTinker job's final LoRA adapter is also evaluated that same way once its sta
 down (`heldout_accuracy_same_engine`), so all three are compared on one engine, with the
 distinct problems solved (the `arith` test split of single digits holds only a handful,
 drawn several times each by the eval seeds: one problem moves the accuracy by several
-points).
+points). So every system is also measured by sampled pass@1 on that engine
+(bench/heldout.py: each distinct test problem `--pass1-samples` times at the training
+temperature; mean and standard error per e2e_report.pass1_summary), TRL's base model too.
 Ratios: speedups async vs trl, sync vs trl, async vs sync (steps/s; time to 0.8).
 For each OpenTinker run, one step's time split into generation, env, bus + serialization,
 forward/backward, optimizer and weight sync (publish + load): from the services'
@@ -68,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_report as R  # the pure parts, beside this file
 from faults import fresh_home  # a scratch home sharing the main home's models and caches
+from heldout import evaluate_adapter, evaluate_in_process, sampled_pass1  # held-out, on one engine
 
 CONFIG = ROOT / "examples" / "arith_grpo.toml"
 OUT = ROOT / "bench" / "results" / "e2e_grpo.json"
@@ -90,108 +93,10 @@ def resolved(spec: dict[str, Any]):
     return spec_from_dict(spec)
 
 
-# -- in-process evaluation (TRL's model) --------------------------------------------
-
-
-class InProcessEnv:
-    """The agent loop's EnvClient on the env's own code, in this process (what envhost
-    runs for each request, without NATS)."""
-
-    def __init__(self, cls):
-        self.cls = cls
-        self.games: dict[str, Any] = {}
-
-    async def init(self, req):
-        from opentinker.schemas import EnvInitReply
-        from opentinker.services.envhost.service import initial_state
-
-        return EnvInitReply(state=initial_state(self.cls, req.env_args, req.seed, req.split))
-
-    async def reset(self, req):
-        from opentinker.schemas import EnvResetReply
-        from opentinker.services.envhost.service import open_episode
-
-        game, system, user, tools = open_episode(self.cls, req.env_args, req.state)
-        self.games[req.episode_id] = game
-        return EnvResetReply(host_id="in-process", system_prompt=system, user_message=user, tools=tools)
-
-    async def step(self, host_id, req):
-        from opentinker.services.envhost.service import take_step
-
-        reply = take_step(self.games[req.episode_id], req.action)
-        if reply.done:
-            self.games.pop(req.episode_id, None)
-        return reply
-
-    async def close(self, host_id, req):
-        self.games.pop(req.episode_id, None)
-
-
-def evaluate_in_process(engine, spec, version: int) -> dict[str, float]:
-    """The learner's evaluation of policy `version` (evaluation.Evaluator's requests:
-    same seeds, split and sampling), run by the rollout's agent loop on `engine`."""
-    from opentinker.schemas.stats import episode_stats
-    from opentinker.services.envhost.registry import BUILTIN
-    from opentinker.services.learner.evaluation import Evaluator
-    from opentinker.services.rollout.agent_loop import AgentLoop
-
-    reqs = Evaluator("bench-trl", spec).requests(version)
-    loop = AgentLoop(engine, InProcessEnv(BUILTIN[spec.env]), worker="bench")
-
-    async def policy_version() -> int:
-        return version
-
-    t0 = time.perf_counter()
-    groups = asyncio.run(loop.run(reqs, policy_version))  # one group per request, in order
-    stats = episode_stats([t for g in groups for t in g])
-    stats["eval_time_s"] = time.perf_counter() - t0
-    stats["problems"] = per_problem(spec, reqs, groups)
-    return stats
-
-
-def per_problem(spec, reqs, groups) -> dict[str, list[int]]:
-    """The evaluation by distinct problem: its initial state (JSON) -> [correct, episodes].
-    A small test split draws each problem several times among the eval seeds."""
-    from opentinker.services.envhost.registry import BUILTIN
-    from opentinker.services.envhost.service import initial_state
-
-    out: dict[str, list[int]] = {}
-    for req, group in zip(reqs, groups):
-        key = json.dumps(initial_state(BUILTIN[spec.env], spec.env_args, req.group_seed, req.split), sort_keys=True)
-        tally = out.setdefault(key, [0, 0])
-        tally[0] += sum(1 for t in group if t.reward >= 1.0)
-        tally[1] += len(group)
-    return out
-
-
-def evaluate_adapter(model_path: str, adapter_dir: Path, spec, version: int) -> dict[str, Any]:
-    """An OpenTinker job's final LoRA adapter (the learner's `final` checkpoint, peft's
-    format), merged into the base model and evaluated exactly as TRL's model is
-    (evaluate_in_process on the transformers engine), so the held-out comparison uses
-    one engine for every system."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from opentinker.services.rollout.engine_hf import HFEngine
-
-    engine = HFEngine(model_path, seed=spec.seed)
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-                                       str(adapter_dir)).merge_and_unload()
-    params = dict(engine.model.named_parameters())
-    with torch.no_grad():
-        engine.load_weights({k: v.detach().float() for k, v in merged.state_dict().items() if k in params})
-    del merged
-    out = evaluate_in_process(engine, spec, version)
-    del engine
-    gc.collect()
-    return out
-
-
 # -- TRL ----------------------------------------------------------------------------
 
 
-def run_trl(spec, model_path: str) -> dict[str, Any]:
+def run_trl(spec, model_path: str, pass1_k: int) -> dict[str, Any]:
     """TRL GRPOTrainer on the spec's problems, model, LoRA and hyperparameters."""
     import torch
     import trl
@@ -235,6 +140,7 @@ def run_trl(spec, model_path: str) -> dict[str, Any]:
     engine = HFEngine(model_path, seed=spec.seed)
     print("trl: evaluating the base model in process", flush=True)
     base_eval = evaluate_in_process(engine, spec, 0)
+    base_pass1 = sampled_pass1(engine, spec, 0, pass1_k) if pass1_k else None
     s, n = spec.sampling, spec.prompts_per_step * spec.group_size
     cfg = GRPOConfig(
         output_dir=str(ROOT / "bench" / "results" / "tmp" / "trl"), per_device_train_batch_size=n,
@@ -264,9 +170,11 @@ def run_trl(spec, model_path: str) -> dict[str, Any]:
                              if k in dict(engine.model.named_parameters())})
     print("trl: evaluating the trained model in process", flush=True)
     final_eval = evaluate_in_process(engine, spec, spec.steps)
+    final_pass1 = sampled_pass1(engine, spec, spec.steps, pass1_k) if pass1_k else None
     del trainer, merged, engine
     gc.collect()
-    res.update(startup_s=startup_s, **_eval_fields(base_eval, final_eval), versions={
+    res.update(startup_s=startup_s, **_eval_fields(base_eval, final_eval), **pass1_fields(final_pass1, base_pass1),
+               versions={
         "trl": trl.__version__, "torch": torch.__version__},
         config={k: getattr(cfg, k) for k in ("per_device_train_batch_size", "num_generations",
                                              "max_completion_length", "temperature", "top_p", "learning_rate",
@@ -283,6 +191,15 @@ def same_engine_fields(final: dict) -> dict[str, Any]:
     return {"heldout_accuracy_same_engine": final["reward_mean"],
             "heldout_problems_solved": sum(1 for c, n in probs.values() if c == n),
             "heldout_problems": len(probs), "heldout_by_problem": probs}
+
+
+def pass1_fields(final: dict | None, base: dict | None = None) -> dict[str, Any]:
+    """Sampled held-out pass@1 (heldout.sampled_pass1) with its standard error."""
+    out = {}
+    for name, ev in (("heldout_pass1", final), ("base_pass1", base)):
+        if ev is not None:
+            out[name] = {**R.pass1_summary(ev["problems"]), "eval_s": ev["eval_time_s"], "by_problem": ev["problems"]}
+    return out
 
 
 def _eval_fields(base: dict | None, final: dict | None) -> dict[str, Any]:
@@ -422,7 +339,8 @@ async def measure_bus(trajs: list, rounds: int) -> dict[str, Any]:
 
 
 def run_opentinker(keys: list[str], base: dict, steps: int, eval_episodes: int, warmup: bool,
-                   timeout_s: float, bus_rounds: int, model_path: str) -> tuple[dict[str, dict], dict, dict]:
+                   timeout_s: float, bus_rounds: int, model_path: str,
+                   pass1_k: int) -> tuple[dict[str, dict], dict, dict]:
     from opentinker.ops.stack import Stack
 
     home = fresh_home("e2e-grpo")
@@ -461,7 +379,8 @@ def run_opentinker(keys: list[str], base: dict, steps: int, eval_episodes: int, 
         adapter = home / "checkpoints" / str(res.get("job_id")) / "final"
         if adapter.exists():  # the stack is down: the cores are the evaluation's
             print(f"{k}: evaluating the final adapter in process (TRL's evaluation path)", flush=True)
-            res.update(same_engine_fields(evaluate_adapter(model_path, adapter, jobspecs[k], steps)))
+            greedy, pass1 = evaluate_adapter(model_path, adapter, jobspecs[k], steps, pass1_k)
+            res.update(same_engine_fields(greedy), **pass1_fields(pass1))
         systems[k] = res
     return systems, breakdown, bus
 
@@ -519,6 +438,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override of the OpenTinker specs (and TRL's where it maps), e.g. checkpoint_every=1000")
     p.add_argument("--eval-episodes", type=int, default=64)
+    p.add_argument("--pass1-samples", type=int, default=32,
+                   help="samples per distinct held-out problem for the sampled pass@1 (0: greedy only)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--png", default="", help="the figure (default: --out with .png)")
     p.add_argument("--merge", action="store_true", help="keep the systems not run now from an existing --out")
@@ -548,11 +469,11 @@ def main() -> None:
         breakdown = {k: v for k, v in old.get("step_breakdown", {}).items() if k not in keys}
         bus = old.get("bus", {}) if not {"sync", "async"} & set(keys) else {}
     if "trl" in keys:
-        systems["trl"] = run_trl(eval_spec, model_path)
+        systems["trl"] = run_trl(eval_spec, model_path, args.pass1_samples)
     ot = [k for k in keys if k != "trl"]
     if ot:
         got, bd, bus = run_opentinker(ot, base, steps, args.eval_episodes, not args.no_warmup, args.timeout,
-                                      args.bus_rounds, model_path)
+                                      args.bus_rounds, model_path, args.pass1_samples)
         systems.update(got)
         breakdown.update(bd)
     systems = {k: systems[k] for k in SYSTEMS if k in systems}

@@ -15,7 +15,12 @@ Definitions (every system alike):
 - time to a reward: the end time of the first step at which the trailing mean of the
   last `k` train rewards (full windows only) reaches the threshold; None if never.
 - a ratio "A vs B" is a speedup of A over B (> 1: A is faster): steps/s A / steps/s B,
-  and time-to-reward B / time-to-reward A.
+  and time-to-reward B / time-to-reward A; beside it, the difference of sampled held-out
+  pass@1, A - B, with its standard error.
+- sampled pass@1 over P problems with n_i samples each, c_i correct: the mean over
+  problems of p_i = c_i / n_i (Chen et al. 2021, arXiv 2107.03374, at k = 1); its
+  standard error for this set of problems is sqrt(sum_i p_i (1 - p_i) / (n_i - 1)) / P,
+  the sampling error of each problem's binomial mean.
 """
 
 from __future__ import annotations
@@ -125,10 +130,29 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def pass1_summary(problems: Mapping[str, Sequence[int]]) -> dict[str, float | int]:
+    """pass@1 of {problem: (correct, samples)}: {"pass1", "se", "problems", "samples"}.
+    Raises ValueError if a problem has fewer than 2 samples or more correct than samples."""
+    if not problems:
+        raise ValueError("pass@1 of no problems")
+    ps, var = [], 0.0
+    for key, (c, n) in problems.items():
+        if n < 2 or not 0 <= c <= n:
+            raise ValueError(f"problem {key}: {c} correct of {n} samples (needs n >= 2, 0 <= c <= n)")
+        p = c / n
+        ps.append(p)
+        var += p * (1 - p) / (n - 1)
+    k = len(ps)
+    return {"pass1": statistics.fmean(ps), "se": math.sqrt(var) / k, "problems": k,
+            "samples": sum(n for _, n in problems.values())}
+
+
 def ratio_table(systems: Mapping[str, Mapping[str, Any]], threshold: float = THRESHOLD) -> dict[str, dict]:
     """Speedups of each pair ("async_vs_trl", "sync_vs_trl", "async_vs_sync") present:
     steps/s ratio, and time-to-threshold ratio (the other's time / this one's: > 1
-    means this one got there first). None where a number is missing (never reached)."""
+    means this one got there first), and where both have it the difference of sampled
+    held-out pass@1 (this one's minus the other's) with its standard error. None where a
+    number is missing (never reached)."""
     key = ttt_key(threshold)
     out: dict[str, dict] = {}
     for a, b in (("async", "trl"), ("sync", "trl"), ("async", "sync")):
@@ -136,6 +160,10 @@ def ratio_table(systems: Mapping[str, Mapping[str, Any]], threshold: float = THR
             sa, sb = systems[a], systems[b]
             out[f"{a}_vs_{b}"] = {"steps_per_s": _div(sa.get("steps_per_s"), sb.get("steps_per_s")),
                                   key: _div(sb.get(key), sa.get(key))}
+            pa, pb = sa.get("heldout_pass1"), sb.get("heldout_pass1")
+            if pa and pb:
+                out[f"{a}_vs_{b}"].update(heldout_pass1_diff=pa["pass1"] - pb["pass1"],
+                                          heldout_pass1_diff_se=math.hypot(pa["se"], pb["se"]))
     return out
 
 
@@ -311,21 +339,28 @@ def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _pass1(p: Mapping[str, Any] | None) -> str:
+    return "-" if not p else f"{p['pass1']:.3f} ({p['se']:.3f})"
+
+
 def report_table(out: Mapping[str, Any], threshold: float = THRESHOLD) -> str:
     """The results file's numbers as text: one row per system, the ratios, and each
     OpenTinker run's step breakdown."""
     key = ttt_key(threshold)
     header = (f"{'system':<8}{'steps':>6}{'startup s':>11}{'steps/s':>9}{'to ' + format(threshold, 'g') + ' s':>9}"
-              f"{'first5':>8}{'last5':>7}{'base acc':>10}{'held-out acc':>14}")
+              f"{'first5':>8}{'last5':>7}{'base acc':>10}{'held-out acc':>14}{'pass@1 (se)':>16}")
     lines = [header]
     for name, r in out.get("systems", {}).items():
         lines.append(f"{name:<8}{r.get('steps', 0):>6}{_fmt(r.get('startup_s'), '.1f'):>11}"
                      f"{_fmt(r.get('steps_per_s'), '.4f'):>9}{_fmt(r.get(key), '.1f'):>9}"
                      f"{_fmt(r.get('reward_first5'), '.3f'):>8}{_fmt(r.get('reward_last5'), '.3f'):>7}"
-                     f"{_fmt(r.get('base_accuracy'), '.3f'):>10}{_fmt(r.get('heldout_accuracy'), '.3f'):>14}")
+                     f"{_fmt(r.get('base_accuracy'), '.3f'):>10}{_fmt(r.get('heldout_accuracy'), '.3f'):>14}"
+                     f"{_pass1(r.get('heldout_pass1')):>16}")
     for pair, v in out.get("ratios", {}).items():
         lines.append(f"{pair}: steps/s x{_fmt(v.get('steps_per_s'), '.2f')}, time to {threshold:g} "
-                     f"x{_fmt(v.get(key), '.2f')} (> 1: the first is faster)")
+                     f"x{_fmt(v.get(key), '.2f')} (> 1: the first is faster)"
+                     + (f", held-out pass@1 {v['heldout_pass1_diff']:+.3f} (se {v['heldout_pass1_diff_se']:.3f})"
+                        if "heldout_pass1_diff" in v else ""))
     for name, b in out.get("step_breakdown", {}).items():
         lines.append(f"{name}: mean step {_fmt(b.get('mean_step_s'), '.2f')} s over {b.get('steps')} steps")
         for cat, r in b.get("categories", {}).items():

@@ -82,6 +82,44 @@ def test_ratio_table_speedups_and_missing_numbers():
     assert R.ratio_table({"async": systems["async"]}) == {}
 
 
+def test_pass1_is_the_mean_over_problems_with_its_binomial_standard_error():
+    got = R.pass1_summary({"2+2": [4, 4], "9+1": [1, 4], "0+3": [2, 5]})
+    # by hand: p = 1, 0.25, 0.4; mean 0.55; var terms 0, 0.25*0.75/3 = 0.0625, 0.4*0.6/4 = 0.06
+    assert got["pass1"] == pytest.approx(0.55)
+    assert got["se"] == pytest.approx(math.sqrt(0.0625 + 0.06) / 3)
+    assert (got["problems"], got["samples"]) == (3, 13)
+    assert R.pass1_summary({"x": [0, 8]})["se"] == 0.0
+    for bad in ({}, {"x": [1, 1]}, {"x": [3, 2]}, {"x": [-1, 4]}):
+        with pytest.raises(ValueError):
+            R.pass1_summary(bad)
+
+
+def test_ratio_table_compares_sampled_pass1_where_both_have_it():
+    key = R.ttt_key()
+    a = {"steps_per_s": 0.2, key: 100.0, "heldout_pass1": {"pass1": 0.9, "se": 0.03}}
+    t = R.ratio_table({"trl": {"steps_per_s": 0.1, key: 300.0, "heldout_pass1": {"pass1": 0.85, "se": 0.04}},
+                       "async": a, "sync": {"steps_per_s": 0.1, key: 150.0}})
+    assert t["async_vs_trl"]["heldout_pass1_diff"] == pytest.approx(0.05)
+    assert t["async_vs_trl"]["heldout_pass1_diff_se"] == pytest.approx(0.05)  # hypot(0.03, 0.04)
+    assert "heldout_pass1_diff" not in t["sync_vs_trl"] and "heldout_pass1_diff" not in t["async_vs_sync"]
+    text = R.report_table({"systems": {"async": a}, "ratios": t})
+    assert "0.900 (0.030)" in text and "+0.050 (se 0.050)" in text
+
+
+def test_sampled_pass1_covers_every_distinct_held_out_problem_once():
+    H = _load("heldout")
+    E = _load("e2e_grpo")
+    from opentinker.cli.common import load_job_config
+    from opentinker.schemas.job import spec_from_dict
+    from opentinker.services.envhost.envs.arith import split_of
+
+    spec = spec_from_dict(E.opentinker_spec(load_job_config(str(E.CONFIG), []), "sync", 2, 8))
+    got = {tuple(json.loads(k).values()) for k in H.distinct_problems(spec)}
+    test = {(a, b) for a in range(10) for b in range(10) if split_of("add", a, b) == "test"}
+    assert got == test and len(H.distinct_problems(spec)) == len(test)
+    assert len(set(H.distinct_problems(spec).values())) == len(test)  # one seed per problem
+
+
 # a line as services/core/tracing.py's console exporter writes it
 LINE = ('{"name": "learner.forward_backward", "context": {"trace_id": "0x5b", "span_id": "0xf0", '
         '"trace_state": "[]"}, "kind": "SpanKind.INTERNAL", "parent_id": "0x33", '
