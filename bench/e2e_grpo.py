@@ -174,13 +174,12 @@ def run_trl(spec, model_path: str, pass1_k: int) -> dict[str, Any]:
     del trainer, merged, engine
     gc.collect()
     res.update(startup_s=startup_s, **_eval_fields(base_eval, final_eval), **pass1_fields(final_pass1, base_pass1),
-               versions={
-        "trl": trl.__version__, "torch": torch.__version__},
-        config={k: getattr(cfg, k) for k in ("per_device_train_batch_size", "num_generations",
-                                             "max_completion_length", "temperature", "top_p", "learning_rate",
-                                             "beta", "epsilon", "loss_type", "scale_rewards", "max_steps",
-                                             "max_grad_norm", "lr_scheduler_type")},
-        lora={"r": lora.r, "alpha": lora.lora_alpha, "target_modules": sorted(lora.target_modules)})
+               versions={"trl": trl.__version__, "torch": torch.__version__},
+               config={k: getattr(cfg, k) for k in ("per_device_train_batch_size", "num_generations",
+                                                    "max_completion_length", "temperature", "top_p", "learning_rate",
+                                                    "beta", "epsilon", "loss_type", "scale_rewards", "max_steps",
+                                                    "max_grad_norm", "lr_scheduler_type")},
+               lora={"r": lora.r, "alpha": lora.lora_alpha, "target_modules": sorted(lora.target_modules)})
     return res
 
 

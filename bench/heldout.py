@@ -58,24 +58,32 @@ class InProcessEnv:
         self.games.pop(req.episode_id, None)
 
 
-def evaluate_in_process(engine, spec, version: int) -> dict[str, float]:
-    """The learner's evaluation of policy `version` (evaluation.Evaluator's requests:
-    same seeds, split and sampling), run by the rollout's agent loop on `engine`."""
-    from opentinker.schemas.stats import episode_stats
+def run_requests(engine, spec, reqs, version: int) -> tuple[list[list], float]:
+    """`reqs` run by the rollout's agent loop on `engine` against the env's own code in
+    this process: (one group of trajectories per request, in order; wall seconds)."""
     from opentinker.services.envhost.registry import BUILTIN
-    from opentinker.services.learner.evaluation import Evaluator
     from opentinker.services.rollout.agent_loop import AgentLoop
 
-    reqs = Evaluator("bench-trl", spec).requests(version)
     loop = AgentLoop(engine, InProcessEnv(BUILTIN[spec.env]), worker="bench")
 
     async def policy_version() -> int:
         return version
 
     t0 = time.perf_counter()
-    groups = asyncio.run(loop.run(reqs, policy_version))  # one group per request, in order
+    groups = asyncio.run(loop.run(reqs, policy_version))
+    return groups, time.perf_counter() - t0
+
+
+def evaluate_in_process(engine, spec, version: int) -> dict[str, float]:
+    """The learner's evaluation of policy `version` (evaluation.Evaluator's requests:
+    same seeds, split and sampling), run by the rollout's agent loop on `engine`."""
+    from opentinker.schemas.stats import episode_stats
+    from opentinker.services.learner.evaluation import Evaluator
+
+    reqs = Evaluator("bench-trl", spec).requests(version)
+    groups, seconds = run_requests(engine, spec, reqs, version)
     stats = episode_stats([t for g in groups for t in g])
-    stats["eval_time_s"] = time.perf_counter() - t0
+    stats["eval_time_s"] = seconds
     stats["problems"] = per_problem(spec, reqs, groups)
     return stats
 
@@ -144,21 +152,11 @@ def sampled_pass1(engine, spec, version: int, k: int, max_seeds: int = 256) -> d
     reward >= 1 (arith: the answer is right)."""
     import msgspec
 
-    from opentinker.services.envhost.registry import BUILTIN
     from opentinker.services.learner.evaluation import Evaluator
-    from opentinker.services.rollout.agent_loop import AgentLoop
 
-    problems = distinct_problems(spec, max_seeds)
     template = Evaluator("bench-pass1", spec).requests(version)[0]
     reqs = [msgspec.structs.replace(template, request_id=f"bench-pass1-{i}", group_index=i, group_seed=seed,
                                     group_size=k, sampling=spec.sampling)
-            for i, seed in enumerate(problems.values())]
-    loop = AgentLoop(engine, InProcessEnv(BUILTIN[spec.env]), worker="bench")
-
-    async def policy_version() -> int:
-        return version
-
-    t0 = time.perf_counter()
-    groups = asyncio.run(loop.run(reqs, policy_version))
-    counts = {key: [sum(1 for t in g if t.reward >= 1.0), len(g)] for key, g in zip(problems, groups)}
-    return {"problems": counts, "eval_time_s": time.perf_counter() - t0}
+            for i, seed in enumerate(distinct_problems(spec, max_seeds).values())]
+    groups, seconds = run_requests(engine, spec, reqs, version)
+    return {"problems": per_problem(spec, reqs, groups), "eval_time_s": seconds}

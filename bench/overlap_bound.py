@@ -21,8 +21,9 @@ sync / that floor is the most that async can gain over sync for a rollout whose
 generation keeps every core busy, as one engine call does. A job's rollout does not: its
 agent loop, per-token scheduling of concurrent episodes, env calls and weight loads leave
 cores idle that overlapped training fills, so bench/e2e_grpo.py's measured async/sync can
-exceed this bound (2026-11-25: 1.39x against 1.12x here). On separate devices (a rollout GPU and a learner GPU) the floor is
-max(gen, train) and the gain approaches sync / max(gen, train).
+exceed this bound (2026-11-25: 1.39x against 1.12x here). On separate devices (a rollout
+GPU and a learner GPU) the floor is max(gen, train) and the gain approaches
+sync / max(gen, train).
 """
 
 from __future__ import annotations

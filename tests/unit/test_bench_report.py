@@ -114,10 +114,10 @@ def test_sampled_pass1_covers_every_distinct_held_out_problem_once():
     from opentinker.services.envhost.envs.arith import split_of
 
     spec = spec_from_dict(E.opentinker_spec(load_job_config(str(E.CONFIG), []), "sync", 2, 8))
-    got = {tuple(json.loads(k).values()) for k in H.distinct_problems(spec)}
+    problems = H.distinct_problems(spec)
     test = {(a, b) for a in range(10) for b in range(10) if split_of("add", a, b) == "test"}
-    assert got == test and len(H.distinct_problems(spec)) == len(test)
-    assert len(set(H.distinct_problems(spec).values())) == len(test)  # one seed per problem
+    assert {tuple(json.loads(k).values()) for k in problems} == test and len(problems) == len(test)
+    assert len(set(problems.values())) == len(test)  # one seed per problem
 
 
 # a line as services/core/tracing.py's console exporter writes it
