@@ -70,6 +70,23 @@ PolicyId = tuple[str, int, str]  # (job id, policy version, sha256 of the weight
 BASE: PolicyId = ("", 0, "")     # the model's own weights, policy version 0 of every job
 
 
+def single_threaded(fn, *args):
+    """fn(*args) with torch on one intra-op thread, then as many as before.
+
+    A weight load is a few hundred small copies and matmuls, each an OpenMP parallel
+    region. While the learner trains on the same cores (max_staleness >= 1 on one
+    host), each region waits until both of its threads are scheduled: a LoRA load that
+    took 0.14 s alone took ~1 s (median of 45 loads during a learner forward/backward,
+    bench/e2e_grpo.py async, 2 cores). One thread does the same work without waiting on
+    a second. vLLM's CPU worker ignores set_num_threads once it has bound its threads
+    (VLLM_CPU_OMP_THREADS_BIND), so a bound engine keeps its threads either way."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(n)
+
 class WeightsUnavailable(Exception):
     """A request names a policy version whose weight event has not arrived."""
 
@@ -275,17 +292,19 @@ class PolicyTracker:
             slot.updates.move_to_end(job_id)
         else:
             data = await self._fetch(ev.uri)
-            new = await loop.run_in_executor(slot.executor, self._tensors, slot, ev, data)
+            new = await loop.run_in_executor(slot.executor, single_threaded, self._tensors, slot, ev, data)
             slot.updates[job_id] = (ident, new)
             slot.updates.move_to_end(job_id)
             while len(slot.updates) > JOBS_KEPT:
                 slot.updates.popitem(last=False)
         plan = slot.held.plan(new)
-        await loop.run_in_executor(slot.executor, slot.engine.load_weights, plan)
+        t1 = time.perf_counter()
+        await loop.run_in_executor(slot.executor, single_threaded, slot.engine.load_weights, plan)
         slot.held.commit(new)
         slot.holding = ident
-        log.info("job %s: policy version %d loaded (%d tensors in %.2f s)",
-                 job_id, ident[1], len(plan), time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        log.info("job %s: policy version %d loaded (%d tensors in %.2f s: fetch and merge %.2f s, engine %.2f s)",
+                 job_id, ident[1], len(plan), t2 - t0, t1 - t0, t2 - t1)
         return ident[1]
 
     async def _use_adapter(self, slot: EngineSlot, job_id: str, ev: WeightsPublished, ident: PolicyId,

@@ -87,3 +87,19 @@ async def test_a_request_names_its_run_and_a_resumed_run_re_announces_a_lower_ve
     assert (await tracker.newest_event("job-a", 0, "r1")).policy_version == 5  # from the stream's history
     assert (await tracker.newest_event("job-a", 0, "r2")).policy_version == 4
     assert (await tracker.newest_event("job-a", 0)).run == "r2"  # the latest announcement, not the highest
+
+
+def test_a_weight_load_runs_on_one_thread_and_gives_the_threads_back():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = policy.single_threaded(lambda x: (torch.get_num_threads(), x), "done")
+        assert seen == (1, "done")
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ZeroDivisionError):
+            policy.single_threaded(lambda: 1 / 0)
+        assert torch.get_num_threads() == 2  # given back after an error too
+    finally:
+        torch.set_num_threads(before)
