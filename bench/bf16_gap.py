@@ -17,8 +17,8 @@ spec's rollout_is_threshold), and the seconds of `--reps` learner steps (forward
 backward, optimizer) on those episodes, the first included (a bfloat16 step on a CPU
 without native bf16 arithmetic is slow enough that a warm-up would double the run;
 `--reps 0` measures the gap alone, which other load on the machine does not change). Each engine runs in its own process.
-The reward of a bfloat16 run is a separate measurement: e2e_grpo.py --only async
---set dtype=bfloat16 --out bench/results/e2e_grpo_bf16.json.
+The reward of a bfloat16 run beside a float32 one is a separate measurement: e2e_grpo.py
+--only async,async-bf16 --out bench/results/e2e_grpo_bf16.json.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """End-to-end GRPO side by side on the README's main job: TRL's GRPOTrainer, OpenTinker
 synchronous and OpenTinker asynchronous, one after the other in one process tree.
 
-    .venv/bin/python bench/e2e_grpo.py [--steps 40] [--only trl,sync,async] [--set KEY=VALUE ...]
+    .venv/bin/python bench/e2e_grpo.py [--steps 40] [--only trl,sync,async,async-bf16] [--set KEY=VALUE ...]
         [--out bench/results/e2e_grpo.json] [--png bench/results/e2e_grpo.png] [--merge]
 
 The job is examples/arith_grpo.toml: SmolLM2-135M-Instruct, LoRA r8 on q/v, lr 1e-3,
@@ -24,6 +24,9 @@ others from an existing results file):
   (`opentinker up`'s Stack: nats-server and every service as its own process, vLLM
   rollout, DeepSpeed learner) in a fresh home under bench/results/tmp/, after a 1-step
   warm-up job (not reported; `--no-warmup`) so that neither pays the rollout engine's start.
+- async-bf16 (only with `--only`): the async job with `dtype = "bfloat16"`, the learner
+  in bf16 against the float32 vLLM sampler, the gap left to the behaviour correction;
+  `--only async,async-bf16` runs the two side by side (ratio "async-bf16_vs_async").
 
 Reported per system (bench/results/e2e_grpo.json, definitions in bench/e2e_report.py):
 startup (apart), steps/s over the steps after the first, time to a 0.8 train reward
@@ -74,16 +77,20 @@ from heldout import evaluate_adapter, evaluate_in_process, sampled_pass1  # held
 
 CONFIG = ROOT / "examples" / "arith_grpo.toml"
 OUT = ROOT / "bench" / "results" / "e2e_grpo.json"
-SYSTEMS = ("trl", "sync", "async")
-STALENESS = {"sync": 0, "async": 1}
+SYSTEMS = ("trl", "sync", "async", "async-bf16")
+DEFAULT_SYSTEMS = ("trl", "sync", "async")  # async-bf16 only when asked for (--only)
+STALENESS = {"sync": 0, "async": 1, "async-bf16": 1}
+# what a system changes in the TOML's spec besides max_staleness
+SYSTEM_FIELDS = {"async-bf16": {"dtype": "bfloat16"}}
 SPAN_LOGS = ("scheduler", "envhost", "recorder", "rollout", "learner")
 
 
 def opentinker_spec(base: dict[str, Any], system: str, steps: int, eval_episodes: int) -> dict[str, Any]:
-    """The TOML's spec with only max_staleness, steps and evaluation overridden."""
+    """The TOML's spec with only max_staleness, steps and evaluation overridden (and,
+    for async-bf16, the learner's dtype)."""
     spec = json.loads(json.dumps(base))
     spec.update(max_staleness=STALENESS[system], steps=steps, eval_every=steps, eval_episodes=eval_episodes,
-                eval_split="test", eval_temperature=0.0)
+                eval_split="test", eval_temperature=0.0, **SYSTEM_FIELDS.get(system, {}))
     return spec
 
 
@@ -421,7 +428,7 @@ def notes(spec) -> list[str]:
 
 def parse_only(values: list[str] | None) -> list[str]:
     if not values:
-        return list(SYSTEMS)
+        return list(DEFAULT_SYSTEMS)
     picked = {x.strip() for v in values for x in v.split(",") if x.strip()}
     bad = picked - set(SYSTEMS)
     if bad:
@@ -433,7 +440,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(CONFIG), help="the job spec (TOML); default: the README's main job")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: the spec's)")
-    p.add_argument("--only", action="append", help="systems to run: trl, sync, async (repeatable or comma list)")
+    p.add_argument("--only", action="append",
+                   help="systems to run: trl, sync, async, async-bf16 (the async job with a bfloat16 learner); "
+                        "repeatable or a comma list; default trl,sync,async")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override of the OpenTinker specs (and TRL's where it maps), e.g. checkpoint_every=1000")
     p.add_argument("--eval-episodes", type=int, default=64)

@@ -148,14 +148,15 @@ def pass1_summary(problems: Mapping[str, Sequence[int]]) -> dict[str, float | in
 
 
 def ratio_table(systems: Mapping[str, Mapping[str, Any]], threshold: float = THRESHOLD) -> dict[str, dict]:
-    """Speedups of each pair ("async_vs_trl", "sync_vs_trl", "async_vs_sync") present:
+    """Speedups of each pair ("async_vs_trl", "sync_vs_trl", "async_vs_sync",
+    "async-bf16_vs_async") present:
     steps/s ratio, and time-to-threshold ratio (the other's time / this one's: > 1
     means this one got there first), and where both have it the difference of sampled
     held-out pass@1 (this one's minus the other's) with its standard error. None where a
     number is missing (never reached)."""
     key = ttt_key(threshold)
     out: dict[str, dict] = {}
-    for a, b in (("async", "trl"), ("sync", "trl"), ("async", "sync")):
+    for a, b in (("async", "trl"), ("sync", "trl"), ("async", "sync"), ("async-bf16", "async")):
         if a in systems and b in systems:
             sa, sb = systems[a], systems[b]
             out[f"{a}_vs_{b}"] = {"steps_per_s": _div(sa.get("steps_per_s"), sb.get("steps_per_s")),
@@ -294,9 +295,9 @@ def median_rounds(rounds: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 # -- figure -----------------------------------------------------------------------
 
-COLORS = {"trl": "C0", "sync": "C1", "async": "C2"}
+COLORS = {"trl": "C0", "sync": "C1", "async": "C2", "async-bf16": "C3"}
 LABELS = {"trl": "TRL GRPOTrainer", "sync": "OpenTinker sync (max_staleness 0)",
-          "async": "OpenTinker async (max_staleness 1)"}
+          "async": "OpenTinker async (max_staleness 1)", "async-bf16": "OpenTinker async, bfloat16 learner"}
 
 
 def plot(systems: Mapping[str, Mapping[str, Any]], path: str, threshold: float = THRESHOLD,

@@ -80,6 +80,10 @@ def test_ratio_table_speedups_and_missing_numbers():
     assert t["async_vs_sync"]["steps_per_s"] == pytest.approx(1.5)
     assert R.ratio_table({"trl": systems["trl"], "async": systems["async"]}).keys() == {"async_vs_trl"}
     assert R.ratio_table({"async": systems["async"]}) == {}
+    bf16 = R.ratio_table({"async": systems["async"], "async-bf16": {"steps_per_s": 0.18, key: 160.0}})
+    assert bf16.keys() == {"async-bf16_vs_async"}
+    assert bf16["async-bf16_vs_async"]["steps_per_s"] == pytest.approx(1.2)
+    assert bf16["async-bf16_vs_async"][key] == pytest.approx(1.25)
 
 
 def test_pass1_is_the_mean_over_problems_with_its_binomial_standard_error():
@@ -253,7 +257,12 @@ def test_opentinker_specs_override_only_staleness_steps_and_evaluation():
                                                                        if k not in changed}
         spec_from_dict(spec)  # a valid job
     assert base["max_staleness"] == load_job_config(str(E.CONFIG), [])["max_staleness"]  # not mutated
-    assert E.parse_only(None) == ["trl", "sync", "async"]
+    # async-bf16: the async spec with the learner in bfloat16, nothing else changed
+    bf16 = E.opentinker_spec(base, "async-bf16", 7, 64)
+    assert bf16 == {**E.opentinker_spec(base, "async", 7, 64), "dtype": "bfloat16"}
+    spec_from_dict(bf16)
+    assert E.parse_only(None) == ["trl", "sync", "async"]  # bf16 only when asked for
+    assert E.parse_only(["async-bf16,async"]) == ["async", "async-bf16"]
     assert E.parse_only(["async,trl"]) == ["trl", "async"]
     assert E.parse_only(["sync", "async"]) == ["sync", "async"]
     with pytest.raises(SystemExit):
