@@ -78,14 +78,17 @@ def single_threaded(fn, *args):
     host), each region waits until both of its threads are scheduled: a LoRA load that
     took 0.14 s alone took ~1 s (median of 45 loads during a learner forward/backward,
     bench/e2e_grpo.py async, 2 cores). One thread does the same work without waiting on
-    a second. vLLM's CPU worker ignores set_num_threads once it has bound its threads
-    (VLLM_CPU_OMP_THREADS_BIND), so a bound engine keeps its threads either way."""
+    a second. vLLM's CPU worker replaces torch.set_num_threads by a no-op once its
+    engine runs in the process (vLLM 0.32 cpu_worker.py, against changing the size of
+    its bound thread team for good); torch's own setter is called here, and the team
+    goes back to its size before anything else runs on this thread (measured: the same
+    threads, affinities and generation speed after)."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     try:
         return fn(*args)
     finally:
-        torch.set_num_threads(n)
+        torch._C.set_num_threads(n)
 
 class WeightsUnavailable(Exception):
     """A request names a policy version whose weight event has not arrived."""
