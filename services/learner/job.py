@@ -5,7 +5,9 @@ shares with SFT: events, fencing, weights, checkpoints, run lineage).
 Per step: ask for rollouts (at most max_staleness + 1 steps in flight), wait for every
 group of the step, train one optimizer step (loss.py; episode- or turn-level credit),
 publish the new weights and the step's metrics, evaluate when due (evaluation.py),
-checkpoint every `checkpoint_every` steps (checkpoint.py), repeat. Which trajectories
+checkpoint every `checkpoint_every` steps (checkpoint.py), repeat. A new job (no
+checkpoint) asks for its first steps, sampled by the base model, before its engine is
+built, so the rollout worker starts its own engine meanwhile. Which trajectories
 are held, seen, used or skipped, each group's attempt and the stream position a
 checkpoint records live in the run's ledger (ledger.py); this module does the NATS
 side: requests, fetches, acks, dead letters.
@@ -43,13 +45,14 @@ from opentinker.schemas.stats import derived_seed, episode_stats, lag_stats, sea
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
+from opentinker.services.learner import checkpoint
 from opentinker.services.learner.batching import (Batch, StepAdvantages, build_batch, check_trajectory,
                                                   micro_batch_indices, micro_batches, step_advantages, update_plan)
 from opentinker.services.learner.evaluation import Evaluator
 from opentinker.services.learner.ledger import Delivery, TrajectoryLedger, by_seat, seats_complete
 from opentinker.services.learner.loss import AggTotals, kl_estimate, lr_factor, overlong_penalty
 # SERVICE and JobStopped are imported from here too (service.py)
-from opentinker.services.learner.lifecycle import SERVICE, JobStopped, RunLifecycle  # noqa: F401
+from opentinker.services.learner.lifecycle import SERVICE, UNREAD, JobStopped, RunLifecycle, Unread  # noqa: F401
 
 log = logging.getLogger("opentinker.learner")
 
@@ -116,10 +119,19 @@ class JobRun(RunLifecycle):
     async def run(self) -> None:
         """Train to completion. Raises JobStopped (cancel or shutdown) or the error
         that failed the job."""
-        await self.start()
-        resumed = await self.resume()
-        await self.open_trajectories()
-        if resumed:
+        await self.begin()
+        saved = await checkpoint.get(self.bus, self.job_id)
+        building = asyncio.ensure_future(self.build_engine())
+        try:
+            if saved is None:
+                # a new job's first steps are sampled by the base model: ask for them now,
+                # so the rollout starts its engine while this learner builds its own
+                await self.open_trajectories()
+                await self.request_rollouts()
+        finally:
+            await building  # the engine thread finishes before anything can close the engine
+        if await self.resume(saved) is not None:
+            await self.open_trajectories()
             await self.publish_weights()
         await self.maybe_evaluate()
         while self.step < self.spec.steps:
@@ -132,9 +144,9 @@ class JobRun(RunLifecycle):
 
     # -- resume -----------------------------------------------------------------
 
-    async def resume(self) -> dict[str, Any] | None:
+    async def resume(self, data: bytes | None | Unread = UNREAD) -> dict[str, Any] | None:
         """The lifecycle's resume, then the ledger's stream position and attempts."""
-        meta = await super().resume()
+        meta = await super().resume(data)
         if meta is not None:
             self.ledger.restore(meta)
         return meta

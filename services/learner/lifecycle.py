@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import enum
 import gc
 import hashlib
 import logging
@@ -51,6 +52,15 @@ SERVICE = "learner"
 KEEP_WEIGHT_VERSIONS = 3
 
 
+class Unread(enum.Enum):
+    """resume()'s default: the checkpoint has not been read yet."""
+
+    UNREAD = "unread"
+
+
+UNREAD = Unread.UNREAD
+
+
 class JobStopped(Exception):
     """The job stops without a final state from the learner (cancelled, or shutdown)."""
 
@@ -79,7 +89,8 @@ class RunLifecycle:
         self.step = 0            # next step to train
         self.version = 0         # policy version: steps trained so far
         self.events_sub = None
-        self.scratch = Path()  # a temporary folder for checkpoint files, made by start()
+        self.scratch = Path()  # a temporary folder for checkpoint files, made by begin()
+        self.model_ref = ""    # the spec's model once begin() checked it for the job's owner
 
     async def run(self) -> None:
         """Train to completion. Raises JobStopped (cancel or shutdown) or the error
@@ -171,17 +182,25 @@ class RunLifecycle:
     # -- start and end ----------------------------------------------------------
 
     async def start(self) -> None:
+        """begin(), then build_engine()."""
+        await self.begin()
+        await self.build_engine()
+
+    async def begin(self) -> None:
         """Announce RUNNING, follow the job's events (cancel), read the job's owner
-        (self.tenant) and build the engine. Raises SpecError naming `model` for a model
-        path the owner may not name (services/core/access.py)."""
+        (self.tenant) and check the model it names. Raises SpecError naming `model` for
+        a model path the owner may not name (services/core/access.py)."""
         from opentinker.services.core import access
 
         self.scratch = Path(tempfile.mkdtemp(prefix=f"learner-{self.job_id}-"))
         self.events_sub = await self.bus.nc.subscribe(self.subject("events"), cb=self.on_event)
         await self.announce(JobState.RUNNING)
         self.tenant = await access.tenant_of_job(self.bus, self.job_id)
-        model = access.check_model_ref(self.spec.model, **self.tenant.rules(self.settings.home))
-        model_path = await self.in_engine(resolve_model, model, self.settings.home)
+        self.model_ref = access.check_model_ref(self.spec.model, **self.tenant.rules(self.settings.home))
+
+    async def build_engine(self) -> None:
+        """Build the training engine (one rank, or a rank group) for the model begin() checked."""
+        model_path = await self.in_engine(resolve_model, self.model_ref, self.settings.home)
         from opentinker.services.learner.engine_deepspeed import TrainEngine, pick_device
 
         if self.spec.learner_ranks > 1:  # data parallel: torchrun's ranks (ranks.py)
@@ -265,11 +284,13 @@ class RunLifecycle:
         """After a step: every `checkpoint_every` steps, and after the last."""
         return self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps
 
-    async def resume(self) -> dict[str, Any] | None:
+    async def resume(self, data: bytes | None | Unread = UNREAD) -> dict[str, Any] | None:
         """Restore the engine, RNG states, step and policy version from the job's
-        checkpoint; returns its metadata (a subclass restores its own keys from it),
-        or None when the job has no checkpoint."""
-        data = await checkpoint.get(self.bus, self.job_id)
+        checkpoint (`data`: its bytes as checkpoint.get read them, or None; by default
+        read here); returns its metadata (a subclass restores its own keys from it), or
+        None when the job has no checkpoint."""
+        if data is UNREAD:
+            data = await checkpoint.get(self.bus, self.job_id)
         if data is None:
             return None
         meta, state_dir = await self.in_engine(checkpoint.unpack, data, self.scratch / "restore")

@@ -4,10 +4,12 @@ episodes in the Parquet log."""
 
 import asyncio
 import json
+import re
 import struct
 import zlib
 import subprocess
 import sys
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -89,6 +91,19 @@ def wandb_history(wandb_dir, run_id: str) -> tuple[list[dict], bool]:
     return rows, exited
 
 
+def engine_times(log_dir) -> tuple[datetime, datetime]:
+    """(when the rollout worker began building its engine, when the learner's engine was
+    ready), from the services' logs."""
+    def stamp(line: str) -> datetime:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+    (rollout,) = [m for f in log_dir.glob("rollout-*.log")
+                  for m in re.finditer(r"^(\S+ \S+) rollout INFO .* engine for .* ready in ([0-9.]+) s", f.read_text(), re.M)]
+    (learner,) = [line for f in log_dir.glob("learner-*.log") for line in f.read_text().splitlines()
+                  if " INFO opentinker.learner.engine: engine ready" in line]
+    return stamp(rollout.group(1)) - timedelta(seconds=float(rollout.group(2))), stamp(learner)
+
+
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job_id, engine, bus):
     spec = _spec(tiny_model, "arith", engine)
@@ -128,6 +143,10 @@ async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job
         assert len(ids) == 9 and all(isinstance(t, int) for t in ids[:8]) and ids[8].startswith("... ")
     try:
         assert steps == [0, 1]
+        # the job asked for its first steps before its learner's engine was built: the
+        # rollout worker built its own engine meanwhile, not after
+        rollout_began, learner_ready = engine_times(tmp_path)
+        assert rollout_began < learner_ready, (rollout_began, learner_ready)
         # two new policy versions were published, with their bytes in the object store
         sub = await bus.js.subscribe(S.job(job_id, "weights"), ordered_consumer=True)
         versions = []
