@@ -123,8 +123,7 @@ def _overlap(a: str, b: str) -> bool:
     """Whether NATS subjects/wildcards `a` and `b` can match a common subject."""
     ta, tb = a.split("."), b.split(".")
     for i in range(max(len(ta), len(tb))):
-        x = ta[i] if i < len(ta) else None
-        y = tb[i] if i < len(tb) else None
+        x, y = (ta[i] if i < len(ta) else None), (tb[i] if i < len(tb) else None)
         if x == ">" or y == ">":
             return x is not None and y is not None
         if x is None or y is None:
@@ -143,18 +142,15 @@ def stream_config(name: str, max_bytes_scale: float = 1.0, max_age_scale: float 
                   replicas: int = 1) -> api.StreamConfig:
     """The JetStream config of stream `name`: its subjects and retention (S.STREAMS) and
     its limits (S.STREAM_LIMITS), `max_bytes` and `max_age_s` times the scales, on
-    `replicas` nodes of a cluster. Discard
-    policy: a limits stream drops its oldest messages when full; a work queue refuses
-    new ones (per subject too), so queued work is never dropped to make room."""
+    `replicas` nodes of a cluster. Discard policy: a full limits stream drops its oldest
+    messages; a work queue refuses new ones (per subject too), never dropping work."""
     subjects, retention = S.STREAMS[name]
     lim = S.STREAM_LIMITS[name]
     work = retention == "workqueue"
     return api.StreamConfig(
         name=name, subjects=subjects,
         retention=api.RetentionPolicy.WORK_QUEUE if work else api.RetentionPolicy.LIMITS,
-        storage=api.StorageType.FILE,
-        duplicate_window=DUPLICATE_WINDOW_S,
-        max_msg_size=lim.max_msg_size,
+        storage=api.StorageType.FILE, duplicate_window=DUPLICATE_WINDOW_S, max_msg_size=lim.max_msg_size,
         max_bytes=int(lim.max_bytes * max_bytes_scale),
         max_age=lim.max_age_s * max_age_scale,
         max_msgs_per_subject=lim.max_msgs_per_subject,
@@ -279,12 +275,11 @@ class Bus:
     async def kv_values(self, bucket: str, prefix: str = "") -> dict[str, tuple[bytes, int]]:
         """Every live key of `bucket` (starting with `prefix`) -> (value, revision).
 
-        One ephemeral pull consumer over the bucket's stream delivering the last
-        message per key, read until the server says none is pending. Never a partial
-        answer: a read that stalls (the server or connection going away) is started
-        over, and its error raised after RETRY_FOR_S. (nats-py's `kv.keys()` can end
-        before the first key arrives under load, which once listed no workers at all
-        and made the scheduler requeue healthy jobs.)"""
+        One ephemeral pull consumer over the bucket's stream, the last message per key,
+        read until none is pending. Never a partial answer: a stalled read (the server
+        or connection going away) starts over, its error raised after RETRY_FOR_S.
+        (nats-py's `kv.keys()` can end before the first key arrives under load: it once
+        listed no workers and made the scheduler requeue healthy jobs.)"""
         await self.kv(bucket)
         return await self._retry(f"list KV {bucket}", self._kv_values_once, bucket, prefix)
 
@@ -344,6 +339,11 @@ class Bus:
         """The bytes stored under `name`. Raises nats.js.errors.ObjectNotFoundError."""
         store = await self.objects(bucket)
         return (await self._retry(f"get object {bucket}/{name}", store.get, name)).data
+
+    async def delete_object(self, bucket: str, name: str) -> None:
+        """Delete `name` from `bucket`; one that is not there is no error."""
+        with contextlib.suppress(NotFoundError):
+            await self._retry(f"delete object {bucket}/{name}", (await self.objects(bucket)).delete, name)
 
     async def read_subject(self, subject: str, kind: type[T], limit: int = 10_000) -> list[T]:
         """The messages the streams hold on `subject`, oldest first, decoded as `kind`

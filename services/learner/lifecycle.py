@@ -89,7 +89,7 @@ class RunLifecycle:
         self.step = 0            # next step to train
         self.version = 0         # policy version: steps trained so far
         self.events_sub = None
-        self.scratch = Path()  # a temporary folder for checkpoint files, made by begin()
+        self.scratch = Path()  # a temporary folder for checkpoint files, made by begin() under <home>/scratch
         self.model_ref = ""    # the spec's model once begin() checked it for the job's owner
 
     async def run(self) -> None:
@@ -192,7 +192,9 @@ class RunLifecycle:
         a model path the owner may not name (services/core/access.py)."""
         from opentinker.services.core import access
 
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"learner-{self.job_id}-"))
+        scratch_root = Path(self.settings.home) / "scratch"  # not /tmp: a killed learner leaves it in home
+        scratch_root.mkdir(parents=True, exist_ok=True)
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"learner-{self.job_id}-", dir=scratch_root))
         self.events_sub = await self.bus.nc.subscribe(self.subject("events"), cb=self.on_event)
         await self.announce(JobState.RUNNING)
         self.tenant = await access.tenant_of_job(self.bus, self.job_id)
@@ -262,9 +264,7 @@ class RunLifecycle:
         await self.bus.publish(self.subject("weights"), ev, msg_id=f"{self.job_id}-w{v}-r{self.run_id}")
         keep = max(KEEP_WEIGHT_VERSIONS, self.spec.max_staleness + 2)
         if v - keep >= 0:
-            store = await self.bus.objects(S.OBJ_WEIGHTS)
-            with contextlib.suppress(NotFoundError):
-                await store.delete(f"{self.job_id}/v{v - keep}")
+            await self.bus.delete_object(S.OBJ_WEIGHTS, f"{self.job_id}/v{v - keep}")
 
     async def step_done(self, s: int, values: dict[str, float], groups: list[str] | None = None) -> None:
         """Publish step `s`'s Metrics (split "train"; `groups`: the request ids it was

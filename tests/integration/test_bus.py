@@ -32,3 +32,17 @@ async def test_undecodable_goes_to_dead_letter_and_consumer_continues(bus, job_i
     msgs = await bus.fetch(dlq, 5, 5)
     recs = [decode(m.data, DeadLetter) for m in msgs]
     assert any(r.subject == subj and "Metrics" in r.reason for r in recs)
+
+
+async def test_delete_object_removes_it_and_a_missing_one_is_no_error(bus, job_id):
+    import pytest
+    from nats.js.errors import ObjectNotFoundError
+
+    name = f"{job_id}/v0"
+    await bus.put_object(S.OBJ_WEIGHTS, name, b"weights")
+    assert await bus.get_object(S.OBJ_WEIGHTS, name) == b"weights"
+    await bus.delete_object(S.OBJ_WEIGHTS, name)
+    with pytest.raises(ObjectNotFoundError):
+        await bus.get_object(S.OBJ_WEIGHTS, name)
+    await bus.delete_object(S.OBJ_WEIGHTS, name)  # already gone: nothing to do
+    await bus.delete_object(S.OBJ_WEIGHTS, f"{job_id}/never")
