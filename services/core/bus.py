@@ -177,15 +177,12 @@ class Bus:
 
         Credentials, never from a command line: `token=` (a user's API key), else
         `service_credentials(url)`, else the URL's (nats://user:pass@host).
-        Raises nats.errors.NoServersError when no server answers.
-        """
+        Raises nats.errors.NoServersError when no server answers."""
         url = default_nats_url(url)
         if not {"token", "nkeys_seed", "user_credentials"} & kw.keys():
             kw.update(service_credentials(url))
-        nc = await nats.connect(
-            server_list(url), name=f"opentinker-{service}", max_reconnect_attempts=-1,
-            connect_timeout=5, allow_reconnect=True, **kw,
-        )
+        nc = await nats.connect(server_list(url), name=f"opentinker-{service}", max_reconnect_attempts=-1,
+                                connect_timeout=5, allow_reconnect=True, **kw)
         return cls(nc, service)
 
     async def close(self) -> None:
@@ -400,8 +397,7 @@ class Bus:
         window. Retried across an outage (module docstring); raises the last transient
         error after RETRY_FOR_S (no stream holding `subject` looks the same as JetStream
         being down: NoRespondersError), nats.js.errors.APIError for a refusal (a message
-        over the stream's size limit, say).
-        """
+        over the stream's size limit, say)."""
         data, headers = encode(msg), self.headers(msg, msg_id, traceparent)
         return await self._retry(f"publish to {subject}", self.js.publish, subject, data, headers=headers)
 
@@ -417,11 +413,9 @@ class Bus:
 
     async def request(self, subject: str, msg: msgspec.Struct, reply_type: type[T],
                       timeout_s: float = 10.0, traceparent: str | None = None) -> T:
-        """Core request/reply: send `msg`, decode the answer as `reply_type`.
-
-        Raises nats.errors.NoRespondersError when nothing serves `subject`,
-        nats.errors.TimeoutError after `timeout_s`.
-        """
+        """Core request/reply: send `msg`, decode the answer as `reply_type`. Raises
+        nats.errors.NoRespondersError when nothing serves `subject`,
+        nats.errors.TimeoutError after `timeout_s`."""
         resp = await self.nc.request(subject, encode(msg), timeout=timeout_s,
                                      headers=self.headers(msg, None, traceparent))
         return decode(resp.data, reply_type)
@@ -544,6 +538,11 @@ class Bus:
         """Delete the durable consumer `d`; nothing when it does not exist."""
         with contextlib.suppress(NotFoundError):
             await self._retry(f"delete consumer {d.name}", self.js.delete_consumer, d.stream, d.name)
+
+    async def purge_subject(self, stream: str, subject: str) -> None:
+        """Drop what `stream` holds on `subject` (wildcards allowed); no stream is no error."""
+        with contextlib.suppress(NotFoundError):
+            await self._retry(f"purge {stream} {subject}", self.js.purge_stream, stream, subject=subject)
 
     async def fetch(self, sub, batch: int = 1, timeout_s: float = 1.0) -> list[Msg]:
         """Up to `batch` messages, or [] when none arrive within `timeout_s` (or the

@@ -34,7 +34,6 @@ from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
 
 from opentinker.schemas import (
     JobAssigned, JobSpec, JobState, JobStateChanged, Metrics, WeightsPublished, decode,
@@ -235,8 +234,7 @@ class RunLifecycle:
     async def cleanup_bus(self) -> None:
         """After a terminal state: drop the job's consumer and its unserved requests."""
         await self.bus.delete_durable(S.traj_durable(self.job_id))
-        with contextlib.suppress(NotFoundError):
-            await self.bus.js.purge_stream(S.STREAM_ROLLOUT, subject=S.rollout_all(self.job_id))
+        await self.bus.purge_subject(S.STREAM_ROLLOUT, S.rollout_all(self.job_id))
 
     # -- per step ---------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError
 
 from opentinker.schemas import (
     CancelJob, CancelReply, JobAssigned, JobRecord, JobState, JobStateChanged, SubmitJob,
@@ -331,8 +331,7 @@ class Scheduler:
             except Conflict:
                 return CancelReply(ok=False, state=rec.state.value, error="job changed meanwhile; try again")
         await self.announce(rec)
-        with contextlib.suppress(NotFoundError):
-            await self.bus.js.purge_stream(S.STREAM_ROLLOUT, subject=S.rollout_all(job_id))
+        await self.bus.purge_subject(S.STREAM_ROLLOUT, S.rollout_all(job_id))
         self.wake.set()
         return CancelReply(ok=True, state=rec.state.value)
 
@@ -405,8 +404,7 @@ class Scheduler:
         rev = await self.put(rec, rev)
         log.warning("job %s: %s", rec.job_id, why)
         await self.announce(rec)  # a surviving learner of the job stops on this
-        with contextlib.suppress(NotFoundError):
-            await self.bus.js.purge_stream(S.STREAM_ROLLOUT, subject=S.rollout_all(rec.job_id))
+        await self.bus.purge_subject(S.STREAM_ROLLOUT, S.rollout_all(rec.job_id))
         for w in lost:
             await self.forget_worker(w)
         return rec, rev
@@ -430,8 +428,7 @@ class Scheduler:
         """Drop a lost worker's consumers and the work addressed to it."""
         for d in (S.assignments_durable(worker), S.rollout_durable(worker)):
             await self.bus.delete_durable(d)
-            with contextlib.suppress(NotFoundError):
-                await self.bus.js.purge_stream(d.stream, subject=d.subject)
+            await self.bus.purge_subject(d.stream, d.subject)
 
     async def place(self, rec: JobRecord, rev: int, p: Placement) -> None:
         where = ", ".join(holders(msgspec.structs.replace(rec, placement=p)))

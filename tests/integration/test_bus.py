@@ -46,3 +46,13 @@ async def test_delete_object_removes_it_and_a_missing_one_is_no_error(bus, job_i
         await bus.get_object(S.OBJ_WEIGHTS, name)
     await bus.delete_object(S.OBJ_WEIGHTS, name)  # already gone: nothing to do
     await bus.delete_object(S.OBJ_WEIGHTS, f"{job_id}/never")
+
+
+async def test_purge_subject_drops_that_subject_only_and_a_missing_stream_is_no_error(bus, job_id):
+    mine, other = S.job(job_id, "metrics"), S.job(f"{job_id}-o", "metrics")
+    for subj in (mine, other):
+        await bus.publish(subj, Metrics(job_id=job_id, step=0, policy_version=0))
+    await bus.purge_subject(S.STREAM_METRICS, mine)
+    assert await bus.read_subject(mine, Metrics) == []
+    assert len(await bus.read_subject(other, Metrics)) == 1
+    await bus.purge_subject("NO_SUCH_STREAM", mine)
