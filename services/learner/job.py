@@ -52,7 +52,7 @@ from opentinker.services.learner.evaluation import Evaluator
 from opentinker.services.learner.ledger import Delivery, TrajectoryLedger, by_seat, seats_complete
 from opentinker.services.learner.loss import AggTotals, kl_estimate, lr_factor, overlong_penalty
 # SERVICE and JobStopped are imported from here too (service.py)
-from opentinker.services.learner.lifecycle import SERVICE, UNREAD, JobStopped, RunLifecycle, Unread  # noqa: F401
+from opentinker.services.learner.lifecycle import SERVICE, JobStopped, RunLifecycle  # noqa: F401
 
 log = logging.getLogger("opentinker.learner")
 
@@ -144,7 +144,7 @@ class JobRun(RunLifecycle):
 
     # -- resume -----------------------------------------------------------------
 
-    async def resume(self, data: bytes | None | Unread = UNREAD) -> dict[str, Any] | None:
+    async def resume(self, data: bytes | None) -> dict[str, Any] | None:
         """The lifecycle's resume, then the ledger's stream position and attempts."""
         meta = await super().resume(data)
         if meta is not None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import enum
 import gc
 import hashlib
 import logging
@@ -49,15 +48,6 @@ log = logging.getLogger("opentinker.learner")
 
 SERVICE = "learner"
 KEEP_WEIGHT_VERSIONS = 3
-
-
-class Unread(enum.Enum):
-    """resume()'s default: the checkpoint has not been read yet."""
-
-    UNREAD = "unread"
-
-
-UNREAD = Unread.UNREAD
 
 
 class JobStopped(Exception):
@@ -282,13 +272,10 @@ class RunLifecycle:
         """After a step: every `checkpoint_every` steps, and after the last."""
         return self.step % self.spec.checkpoint_every == 0 or self.step == self.spec.steps
 
-    async def resume(self, data: bytes | None | Unread = UNREAD) -> dict[str, Any] | None:
+    async def resume(self, data: bytes | None) -> dict[str, Any] | None:
         """Restore the engine, RNG states, step and policy version from the job's
-        checkpoint (`data`: its bytes as checkpoint.get read them, or None; by default
-        read here); returns its metadata (a subclass restores its own keys from it), or
-        None when the job has no checkpoint."""
-        if data is UNREAD:
-            data = await checkpoint.get(self.bus, self.job_id)
+        checkpoint (`data`: its bytes as checkpoint.get read them, None when it has
+        none); returns its metadata (a subclass restores its own keys from it), or None."""
         if data is None:
             return None
         meta, state_dir = await self.in_engine(checkpoint.unpack, data, self.scratch / "restore")

@@ -39,6 +39,7 @@ from typing import Any
 
 from opentinker.schemas import JobSpec
 from opentinker.services.core.access import Tenant, confine_path
+from opentinker.services.learner import checkpoint
 from opentinker.services.learner.batching import Batch, micro_batches
 from opentinker.services.learner.ledger import no_stream_meta
 from opentinker.services.learner.lifecycle import RunLifecycle
@@ -363,7 +364,7 @@ class SFTRun(RunLifecycle):
         log.info("job %s: %d SFT examples, %d loss tokens", self.job_id, len(self.examples),
                  sum(sum(e.loss_mask[1:]) for e in self.examples))
         self.check_live()
-        if await self.resume():
+        if await self.resume(await checkpoint.get(self.bus, self.job_id)):
             await self.publish_weights()
         # loss_full_before/after: the training slice itself (at most MAX_EVAL_EXAMPLES of it)
         n = min(len(self.examples), MAX_EVAL_EXAMPLES)
