@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from opentinker.schemas import Trajectory
-from opentinker.services.learner.loss import batch_scale, group_advantages, turn_advantages
+from opentinker.services.learner.loss import AggTotals, batch_scale, group_advantages, turn_advantages
 
 
 class Batch(NamedTuple):
@@ -308,3 +308,53 @@ def update_plan(episodes: Sequence[int], mini_batches: int, epochs: int, seed: i
     k = min(mini_batches, len(perm))
     parts = [perm[j * len(perm) // k:(j + 1) * len(perm) // k] for j in range(k)]
     return [p for _ in range(epochs) for p in parts]
+
+
+def policy_tokens(traj: Trajectory) -> int:
+    """The episode's policy tokens as build_batch counts them (target-aligned: the
+    first token, which nothing predicts, never is one)."""
+    return int(sum(traj.loss_mask[1:]))
+
+
+class PlannedUpdate(NamedTuple):
+    """One optimizer update of a step: the episodes it forwards, its loss's normalizers
+    and the fraction of the step's updates done before it (for the lr schedule)."""
+
+    episodes: list[int]
+    totals: AggTotals
+    progress: float
+
+
+def plan_updates(trainable: Sequence[int], skipped: Sequence[bool], tokens: Sequence[int], mini_batches: int,
+                 epochs: int, seed: int, max_len: float) -> list[PlannedUpdate]:
+    """The step's optimizer updates with the zero-variance groups left out of the
+    forward but not out of the loss's normalizers.
+
+    trainable: the episodes the loss covers (StepAdvantages: not excluded); skipped[i]:
+    episode i is in a group whose advantages are all 0 (and the loss has no KL or entropy
+    term), so its loss terms are exactly 0; tokens[i]: its policy tokens (policy_tokens);
+    max_len: Dr. GRPO's constant L. The plan is update_plan over every trainable episode;
+    each update then forwards its episodes that are not skipped, and its AggTotals count
+    all of them. So the loss, and its gradient, are those of the update with the skipped
+    episodes forwarded: skipping saves their compute and changes nothing else (TRL's
+    GRPOTrainer, which forwards them, normalizes its "dapo"/token-mean loss over the
+    whole batch likewise). Leaving them out of the normalizers would instead scale a step's
+    gradient by 1 / (the fraction of its tokens with signal), up to 8x at 1 group of 8
+    with signal. Updates left with no episode are dropped: their gradient is 0 and an
+    AdamW step would still move the weights by momentum. An epoch reuses its first
+    pass's `episodes` lists (the same objects), so their micro-batches can be built once.
+    Raises ValueError when skipped or tokens do not cover an episode.
+    """
+    if any(i >= len(skipped) or i >= len(tokens) for i in trainable):
+        raise ValueError(f"skipped ({len(skipped)}) and tokens ({len(tokens)}) must cover every episode")
+    plan = update_plan(trainable, mini_batches, epochs, seed)
+    kept: dict[int, list[int]] = {}
+    out: list[PlannedUpdate] = []
+    for j, part in enumerate(plan):
+        if id(part) not in kept:
+            kept[id(part)] = [i for i in part if not skipped[i]]
+        if kept[id(part)]:
+            totals = AggTotals(tokens=float(sum(tokens[i] for i in part)),
+                               seqs=float(sum(1 for i in part if tokens[i] > 0)), max_len=float(max_len))
+            out.append(PlannedUpdate(kept[id(part)], totals, j / len(plan)))
+    return out

@@ -47,10 +47,11 @@ from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.learner import checkpoint
 from opentinker.services.learner.batching import (Batch, StepAdvantages, build_batch, check_trajectory,
-                                                  micro_batch_indices, micro_batches, step_advantages, update_plan)
+                                                  micro_batch_indices, micro_batches, plan_updates, policy_tokens,
+                                                  step_advantages)
 from opentinker.services.learner.evaluation import Evaluator
 from opentinker.services.learner.ledger import Delivery, TrajectoryLedger, by_seat, seats_complete
-from opentinker.services.learner.loss import AggTotals, kl_estimate, lr_factor, overlong_penalty
+from opentinker.services.learner.loss import kl_estimate, lr_factor, overlong_penalty
 # SERVICE and JobStopped are imported from here too (service.py)
 from opentinker.services.learner.lifecycle import SERVICE, JobStopped, RunLifecycle  # noqa: F401
 
@@ -479,32 +480,34 @@ class JobRun(RunLifecycle):
         """Advantages, then the step's optimizer updates (engine.train_step) over the
         episodes that can move the policy. Not forwarded at all: excluded episodes
         (errors, overlong-filtered) and, with skip_zero_variance and no KL or entropy
-        term, the groups whose advantages are all 0 (their policy gradient is exactly 0;
-        DAPO arXiv 2503.14476 §3.2 drops them from the batch likewise, so the loss is
-        normalized over the episodes that remain)."""
+        term, the groups whose advantages are all 0 (their policy gradient is exactly 0).
+        The skipped groups still count in the loss's normalizers (batching.plan_updates),
+        so skipping changes the compute and not the gradient."""
         spec = self.spec
         cfg = self.engine.loss_cfg
         with tracing.span("learner.batch", attrs={"ot.episodes": len(trajs)}):
             adv = self.advantages(trajs)
             skip_zero = spec.skip_zero_variance and cfg.kl_coef == 0 and cfg.entropy_coef == 0
-            train = [i for i in range(len(trajs)) if not adv.excluded[i]
-                     and not (skip_zero and adv.zero_groups[i // spec.group_size])]
-            plan = update_plan(train, spec.mini_batches, spec.ppo_epochs, derived_seed("update", spec.seed, self.step))
+            trainable = [i for i in range(len(trajs)) if not adv.excluded[i]]
+            skipped = [skip_zero and adv.zero_groups[i // spec.group_size] for i in range(len(trajs))]
+            plan = plan_updates(trainable, skipped, [policy_tokens(t) for t in trajs], spec.mini_batches,
+                                spec.ppo_epochs, derived_seed("update", spec.seed, self.step),
+                                max_generated_tokens(spec))
             built: dict[int, list[Batch]] = {}
-            for part in plan:
-                if id(part) not in built:
-                    built[id(part)] = micro_batches([trajs[i] for i in part], [adv.advantages[i] for i in part],
-                                                    spec.micro_batch_size, self.engine.pad_id,
-                                                    max_tokens=spec.micro_batch_tokens)
-            updates = [built[id(part)] for part in plan]
-            totals = [AggTotals(tokens=float(sum(b.num_tokens for b in u)),
-                                seqs=float(sum(int((b.loss_mask.sum(dim=1) > 0).sum()) for b in u)),
-                                max_len=float(max_generated_tokens(spec))) for u in updates]
-            lrs = [spec.lr * lr_factor(self.step + j / max(len(plan), 1), spec.steps, spec.lr_warmup_steps,
-                                       spec.lr_schedule) for j in range(len(plan))]
+            for u in plan:
+                if id(u.episodes) not in built:
+                    built[id(u.episodes)] = micro_batches([trajs[i] for i in u.episodes],
+                                                          [adv.advantages[i] for i in u.episodes],
+                                                          spec.micro_batch_size, self.engine.pad_id,
+                                                          max_tokens=spec.micro_batch_tokens)
+            updates = [built[id(u.episodes)] for u in plan]
+            totals = [u.totals for u in plan]
+            lrs = [spec.lr * lr_factor(self.step + u.progress, spec.steps, spec.lr_warmup_steps, spec.lr_schedule)
+                   for u in plan]
+            forwarded = len({i for u in plan for i in u.episodes})
         out = self.engine.train_step(updates, totals, lrs)
         return {**out, "excluded_frac": adv.excluded_frac, "zero_variance_frac": adv.zero_variance_frac,
-                "skipped_frac": 1.0 - len(train) / max(len(trajs), 1), "lr": lrs[0] if lrs else 0.0}
+                "skipped_frac": 1.0 - forwarded / max(len(trajs), 1), "lr": lrs[0] if lrs else 0.0}
 
     async def train(self, groups: list[list[Held]]) -> None:
         with tracing.span("learner.step", attrs={"ot.job_id": self.job_id, "ot.step": self.step}):

@@ -326,3 +326,39 @@ def test_data_parallel_shards_split_each_update_evenly_and_pad_with_token_less_b
     assert shard_updates(updates, 0, 1) == [mbs, mbs[:2], []]  # one rank: everything
     with pytest.raises(ValueError, match="rank 2 of 2"):
         shard_updates(updates, 2, 2)
+
+
+def test_plan_updates_skip_the_forward_not_the_normalizer():
+    from opentinker.services.learner.batching import plan_updates, policy_tokens, update_plan
+
+    # 8 episodes (4 groups of 2): group 1 (episodes 2, 3) and group 3 (6, 7) have no
+    # signal; episode 5 is excluded (not trainable)
+    tokens = [3, 5, 2, 4, 6, 1, 7, 2]
+    skipped = [False, False, True, True, False, False, True, True]
+    trainable = [0, 1, 2, 3, 4, 6, 7]
+    one = plan_updates(trainable, skipped, tokens, 1, 1, seed=0, max_len=32)
+    assert len(one) == 1 and one[0].episodes == [0, 1, 4] and one[0].progress == 0.0
+    # the normalizers are the whole step's (29 tokens in 7 sequences), not the 14 tokens
+    # of the 3 forwarded episodes: the loss is that of the update with the skipped
+    # episodes forwarded (their terms are 0), so the gradient is too
+    assert one[0].totals.tokens == 29.0 and one[0].totals.seqs == 7.0 and one[0].totals.max_len == 32.0
+    # mini-batches and epochs: the plan is made over every trainable episode, then
+    # each update forwards its unskipped ones and counts them all
+    full = update_plan(trainable, 3, 2, seed=5)
+    plan = plan_updates(trainable, skipped, tokens, 3, 2, seed=5, max_len=32)
+    kept = [(j, [i for i in p if not skipped[i]]) for j, p in enumerate(full)]
+    assert [u.episodes for u in plan] == [k for _, k in kept if k]
+    assert [u.progress for u in plan] == [j / 6 for j, k in kept if k]
+    for u, (j, _) in zip(plan, [x for x in kept if x[1]]):
+        assert u.totals.tokens == sum(tokens[i] for i in full[j])
+    n = len(plan) // 2
+    assert all(a.episodes is b.episodes for a, b in zip(plan[:n], plan[n:]))  # built once per epoch
+    # a zero-length episode counts no sequence
+    assert plan_updates([0, 1], [False, True], [4, 0], 1, 1, 0, 8)[0].totals.seqs == 1.0
+    # nothing with signal: no update at all
+    assert plan_updates(trainable, [True] * 8, tokens, 2, 2, seed=0, max_len=32) == []
+    with pytest.raises(ValueError, match="cover"):
+        plan_updates([0, 9], skipped, tokens, 1, 1, 0, 32)
+    # policy tokens as build_batch counts them: the first token is never one
+    t = traj([1, 2, 3, 4], [1, 0, 1, 1], [0.0, 0.0, -0.5, -0.5])
+    assert policy_tokens(t) == 2 == build_batch([t], [0.0], pad_id=0).num_tokens

@@ -87,3 +87,36 @@ def test_one_optimizer_update_per_planned_update(tiny_model, rank_env):
             eng.train_step(halves, tots[:1])
     finally:
         eng.close()
+
+
+def test_skipping_zero_variance_groups_leaves_the_update_unchanged(tiny_model, rank_env):
+    """Two steps from the same weights: the second with group 1 (episodes 2, 3) without
+    signal. Forwarding it, and skipping it with the normalizers batching.plan_updates
+    gives, end at the same weights; normalizing over the forwarded episodes only (a
+    gradient 2x larger here) does not, as AdamW's second step is not scale-free."""
+    from opentinker.services.learner.batching import plan_updates, policy_tokens
+
+    trajs = [_traj(i, 4 + i, 3 + i, 0.0) for i in range(4)]
+    tokens = [policy_tokens(t) for t in trajs]
+    first = ([1.0, -1.0, 1.0, -1.0], [0, 1, 2, 3])
+    adv = [1.0, -1.0, 0.0, 0.0]
+    ends = {}
+    for way in ("forward all", "skip", "skip, normalize over the forwarded"):
+        eng = _engine(tiny_model, max_grad_norm=1e6)
+        try:
+            mbs = micro_batches([trajs[i] for i in first[1]], first[0], 2, eng.pad_id)
+            eng.train_step([mbs], [AggTotals(float(sum(tokens)), 4.0, 32.0)], [1e-3])
+            if way == "forward all":
+                mbs = micro_batches(trajs, adv, 2, eng.pad_id)
+                eng.train_step([mbs], [AggTotals(float(sum(tokens)), 4.0, 32.0)], [1e-3])
+            else:
+                (u,) = plan_updates([0, 1, 2, 3], [False, False, True, True], tokens, 1, 1, 0, 32)
+                assert u.episodes == [0, 1]
+                totals = u.totals if way == "skip" else AggTotals(float(tokens[0] + tokens[1]), 2.0, 32.0)
+                mbs = micro_batches([trajs[i] for i in u.episodes], [adv[i] for i in u.episodes], 2, eng.pad_id)
+                eng.train_step([mbs], [totals], [1e-3])
+            ends[way] = _params(eng)
+        finally:
+            eng.close()
+    assert torch.allclose(ends["forward all"], ends["skip"], atol=1e-6)
+    assert not torch.allclose(ends["forward all"], ends["skip, normalize over the forwarded"], atol=1e-6)
