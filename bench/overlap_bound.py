@@ -8,7 +8,7 @@ core, then both at once on disjoint cores, in one run.
 The work is the main job's (examples/arith_grpo.toml): 32 completions of up to 32 new
 tokens for the `arith` env's prompts (4 groups x 8), and a LoRA training step on
 `--episodes` episodes of the bench's mean lengths (13: the ~40% of 32 that carry signal
-once zero-variance groups are skipped, bench/results/e2e_grpo.json). Each measurement is
+once zero-variance groups are skipped, bench/results/e2e_grpo_2026-11-25.json). Each measurement is
 its own process (vLLM binds its OpenMP threads once, VLLM_CPU_OMP_THREADS_BIND), the
 median of `--reps` after one warm-up call.
 
