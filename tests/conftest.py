@@ -77,11 +77,14 @@ def smollm2(home) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(home, smollm2) -> str:
-    """A random-init 2-layer Llama (head_dim 64) with SmolLM2's tokenizer and chat template."""
+def tiny_model(request, home) -> str:
+    """A random-init 2-layer Llama (head_dim 64) with SmolLM2's tokenizer and chat template;
+    $OPENTINKER_TINY_MODEL names one made before (a GPU machine without the embedded model)."""
     from opentinker.services.core.models import make_tiny_model
 
-    return make_tiny_model(home / "models" / "tiny-llama", smollm2)
+    if os.environ.get("OPENTINKER_TINY_MODEL"):
+        return os.environ["OPENTINKER_TINY_MODEL"]
+    return make_tiny_model(home / "models" / "tiny-llama", request.getfixturevalue("smollm2"))
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,8 @@ class TrainEngine:
     """A job's policy, optimizer and (when kl_coef > 0) reference policy.
 
     `model_path` is what `from_pretrained` accepts. Raises whatever transformers/peft
-    raise for a bad model path or bad LoRA target modules (the job fails with it).
+    raise for a bad model path or bad LoRA target modules (the job fails with it), and
+    RuntimeError when DeepSpeed was first imported in this process for another device.
     """
 
     def __init__(self, spec: JobSpec, model_path: str, device: str = "auto"):
@@ -78,6 +79,15 @@ class TrainEngine:
         # DeepSpeed picks its accelerator once, at import; the settings' device decides it
         os.environ["DS_ACCELERATOR"] = "cuda" if device == "cuda" else "cpu"
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        picked = get_accelerator().device_name()
+        if picked != os.environ["DS_ACCELERATOR"]:
+            # an engine on the wrong accelerator would move the model to `picked` and
+            # fail later, on its first batch, with a device-mismatch error
+            os.environ["DS_ACCELERATOR"] = picked
+            raise RuntimeError(f"a learner on {device!r} needs a process of its own: DeepSpeed's accelerator "
+                               f"in this process is {picked!r}, fixed at its first import")
         from transformers import AutoTokenizer
 
         from opentinker.services.core.models import load_policy_model, load_processor, lora_targets

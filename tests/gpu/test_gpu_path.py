@@ -1,5 +1,6 @@
 """The GPU path, on a machine with CUDA (`pytest -m gpu tests/gpu`; skipped without a
-device): the DeepSpeed learner on CUDA against the same step on CPU, the bf16 learner,
+device): the DeepSpeed learner on CUDA against the same step on CPU (and a CPU learner
+refused in a process whose DeepSpeed took CUDA), the bf16 learner,
 vLLM's CUDA engine with an in-place weight reload, and the data-parallel learner on
 every GPU (one rank each, nccl) against one rank."""
 
@@ -47,13 +48,26 @@ def _step(tiny_model: str, device: str, dtype: str = "float32") -> tuple[dict, t
         eng.close()
 
 
+@pytest.mark.timeout(900)
+def test_the_learner_on_cuda_trains_as_on_cpu(tmp_path, tiny_model):
+    """Two steps of tests/ranks/engine_step.py on each device, each in a process of its
+    own (DeepSpeed fixes its accelerator at its first import)."""
+    from conftest import run_ranks
+
+    cuda, w_cuda = run_ranks(1, tiny_model, tmp_path / "cuda", 0, "cuda")
+    cpu, w_cpu = run_ranks(1, tiny_model, tmp_path / "cpu", 0, "cpu")
+    assert cuda["steps"][-1]["loss"] == pytest.approx(cpu["steps"][-1]["loss"], rel=1e-3, abs=1e-5)
+    assert cuda["steps"][-1]["grad_norm"] == pytest.approx(cpu["steps"][-1]["grad_norm"], rel=1e-3)
+    assert w_cuda.keys() == w_cpu.keys() and any("lora_B" in k for k in w_cpu)
+    assert all(torch.allclose(w_cuda[k], w_cpu[k], atol=1e-4) for k in w_cpu)
+    assert sum(w_cpu[k].abs().sum() for k in w_cpu if "lora_B" in k) > 0  # it trained
+
+
 @pytest.mark.timeout(600)
-def test_the_learner_on_cuda_trains_as_on_cpu(tiny_model, rank_env):
-    cuda, b_cuda = _step(tiny_model, "cuda")
-    cpu, b_cpu = _step(tiny_model, "cpu")
-    assert cuda["loss"] == pytest.approx(cpu["loss"], rel=1e-3, abs=1e-5)
-    assert cuda["grad_norm"] == pytest.approx(cpu["grad_norm"], rel=1e-3)
-    assert torch.allclose(b_cuda, b_cpu, atol=1e-4) and b_cpu.abs().sum() > 0
+def test_a_cpu_learner_beside_a_cuda_one_is_refused(tiny_model, rank_env):
+    _step(tiny_model, "cuda")
+    with pytest.raises(RuntimeError, match="a learner on 'cpu' needs a process of its own"):
+        _step(tiny_model, "cpu")
 
 
 @pytest.mark.timeout(600)

@@ -42,6 +42,21 @@ def _params(eng) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in eng.module.parameters() if p.requires_grad])
 
 
+def test_an_engine_on_another_device_than_deepspeeds_is_refused(tiny_model, rank_env, monkeypatch):
+    """DeepSpeed fixes its accelerator at its first import, here the CPU's: an engine asked
+    for CUDA in the same process says so, instead of failing at its first batch."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401
+
+    from opentinker.services.learner.engine_deepspeed import TrainEngine
+
+    spec = JobSpec(lora_rank=0, micro_batch_size=2, prompts_per_step=2, group_size=2)
+    with pytest.raises(RuntimeError, match="a learner on 'cuda' needs a process of its own: DeepSpeed's "
+                                           "accelerator in this process is 'cpu'"):
+        TrainEngine(spec, tiny_model, device="cuda")
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+
+
 def test_policy_position_logprobs_equal_the_full_logits(tiny_model, rank_env):
     eng = _engine(tiny_model)
     try:
