@@ -9,7 +9,7 @@ from typing import Any, Literal
 import msgspec
 
 from opentinker.schemas.base import Count, MaskBit, Message, TokenId
-from opentinker.schemas.job import MAX_GROUP_SIZE, Bounded, Engine, SamplingParams
+from opentinker.schemas.job import MAX_GROUP_SIZE, Bounded, Engine, SamplerDtype, SamplingParams
 
 
 # The start of an episode's error when the job's `agents` does not fit its env's
@@ -46,6 +46,7 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     group_size: Bounded(int, 1, MAX_GROUP_SIZE) = 8
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     engine: Engine = "auto"
+    sampler_dtype: SamplerDtype = "auto"
     split: str = "train"
     attempt: Count = 0
     policy_run: str = ""

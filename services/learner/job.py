@@ -183,6 +183,7 @@ class JobRun(RunLifecycle):
                              policy_version=self.version,
                              model=spec.model, env=spec.env, env_args=spec.env_args,
                              group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine,
+                             sampler_dtype=spec.sampler_dtype,
                              purpose="train", attempt=self.attempt, policy_run=self.run_id, agents=spec.agents,
                              opponents=spec.opponents)
         # the root of the group's trace: rollout, envhost and this learner's

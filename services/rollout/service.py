@@ -111,6 +111,14 @@ def check_request(req: RolloutRequest, subject: str) -> str:
 # -- engines -------------------------------------------------------------------
 
 
+def resolve_sampler_dtype(asked: str, device: str) -> str:
+    """The engine dtype for a job's `sampler_dtype` on `device`: "auto" is bfloat16 on
+    CUDA and float32 on CPU (sampler logprobs within ~4e-5 of a float32 learner's)."""
+    if asked != "auto":
+        return asked
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 def pick_engine(requested: str, configured: str, model_dir: str) -> str:
     """The request's engine, else the worker's setting, else vLLM when it is
     installed and the model's head_dim >= 32, else transformers."""
@@ -148,16 +156,17 @@ class RolloutWorker:
 
     async def engine_for(self, req: RolloutRequest) -> EngineSlot:
         """The engine slot for the request's model; see engine_for_model."""
-        return await self.engine_for_model(req.model, req.engine)
+        return await self.engine_for_model(req.model, req.engine, req.sampler_dtype)
 
-    async def engine_for_model(self, model: str, engine: str) -> EngineSlot:
-        """The engine slot for `model` on `engine` ("auto", "vllm", "hf"), created on
-        first use. Raises OSError/ValueError/RuntimeError/ImportError when the model or
-        engine cannot load."""
+    async def engine_for_model(self, model: str, engine: str, sampler_dtype: str = "auto") -> EngineSlot:
+        """The engine slot for `model` on `engine` ("auto", "vllm", "hf") in
+        `sampler_dtype` ("auto", "float32", "bfloat16"), created on first use. Raises
+        OSError/ValueError/RuntimeError/ImportError when the model or engine cannot load."""
         model_dir = await asyncio.to_thread(resolve_model, model, self.settings.home)
         kind = pick_engine(engine, self.settings.engine, model_dir)
         chosen_for_us = engine == "auto" and self.settings.engine == "auto"
-        key = (model_dir, kind)
+        dtype = resolve_sampler_dtype(sampler_dtype, self.device)
+        key = (model_dir, kind, dtype)
         if key in self.engines:
             self.engines[key].last_used = time.monotonic()
             return self.engines[key]
@@ -167,22 +176,22 @@ class RolloutWorker:
         t0 = time.perf_counter()
         try:
             try:
-                engine = await loop.run_in_executor(executor, self._make_engine, kind, model_dir)
+                engine = await loop.run_in_executor(executor, self._make_engine, kind, model_dir, dtype)
             except ImportError as e:
                 if not (chosen_for_us and kind == "vllm"):
                     raise
                 log.warning("vLLM does not import (%s); using the transformers engine", e)
-                kind, key = "hf", (model_dir, "hf")
+                kind, key = "hf", (model_dir, "hf", dtype)
                 if key in self.engines:
                     executor.shutdown(wait=False)
                     return self.engines[key]
-                engine = await loop.run_in_executor(executor, self._make_engine, kind, model_dir)
+                engine = await loop.run_in_executor(executor, self._make_engine, kind, model_dir, dtype)
         except BaseException:
             executor.shutdown(wait=False)
             raise
         self.engines[key] = EngineSlot(engine, model_dir, executor)
-        log.info("%s engine for %s ready in %.1f s (device %s)", kind, model_dir,
-                 time.perf_counter() - t0, self.device)
+        log.info("%s engine for %s ready in %.1f s (device %s, %s)", kind, model_dir,
+                 time.perf_counter() - t0, self.device, dtype)
         return self.engines[key]
 
     def _evict(self, keep: int) -> None:
@@ -208,19 +217,17 @@ class RolloutWorker:
         mode = self.settings.vllm_multi_lora
         return self.settings.lora_max_rank > 0 and (mode == "on" or (mode == "auto" and self.device == "cuda"))
 
-    def _make_engine(self, kind: str, model_dir: str) -> Any:
+    def _make_engine(self, kind: str, model_dir: str, dtype: str) -> Any:
         if kind == "vllm":
             from opentinker.services.rollout.engine_vllm import VLLMEngine
 
-            # float32 on CPU: sampler logprobs match the learner's float32 (engine_vllm)
-            dtype = "bfloat16" if self.device == "cuda" else "float32"
             return VLLMEngine(model_dir, device=self.device, dtype=dtype, seed=self.seed,
                               max_model_len=MAX_MODEL_LEN,
                               max_loras=self.settings.rollout_slots if self.multi_lora() else 0,
                               max_lora_rank=self.settings.lora_max_rank)
         from opentinker.services.rollout.engine_hf import HFEngine
 
-        return HFEngine(model_dir, device=self.device, dtype="float32", seed=self.seed,
+        return HFEngine(model_dir, device=self.device, dtype=dtype, seed=self.seed,
                         max_model_len=MAX_MODEL_LEN)
 
     # -- requests --
@@ -248,6 +255,9 @@ class RolloutWorker:
             return "refuse", f"`model`: {req.model!r} is not job {req.job_id}'s model {rec.spec.model!r}"
         if req.engine != rec.spec.engine:
             return "refuse", f"`engine`: {req.engine!r} is not job {req.job_id}'s engine {rec.spec.engine!r}"
+        if req.sampler_dtype != rec.spec.sampler_dtype:
+            return "refuse", (f"`sampler_dtype`: {req.sampler_dtype!r} is not job {req.job_id}'s "
+                              f"sampler_dtype {rec.spec.sampler_dtype!r}")
         return "serve", ""
 
     async def handle(self, msgs: list[Msg]) -> None:

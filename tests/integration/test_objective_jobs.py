@@ -4,7 +4,8 @@ model: asynchronous training with the behaviour correction; clip-higher, dual cl
 GSPO's sequence ratio and Dr. GRPO's aggregation; RLOO with KL in the reward and the
 soft overlong penalty; REINFORCE++ with a KL loss, an entropy bonus, epochs x
 mini-batches, a warmed-up cosine learning rate and token-budget micro-batches; DAPO's
-dynamic sampling, replacing groups without signal by fresh prompts.
+dynamic sampling, replacing groups without signal by fresh prompts; a bfloat16 sampler
+beside the float32 learner, its gap measured and corrected.
 The formulas themselves are checked by hand in tests/unit/test_loss_options.py; here
 each family must run end to end and report what it should."""
 
@@ -40,6 +41,7 @@ FAMILIES = {
                     micro_batch_tokens=64, lora_rank=0),
     # prompts of even group seed reward 0 everywhere: their groups are replaced
     "dynamic": dict(max_staleness=0, env_args={"flat_every": 2}, dynamic_sampling=8),
+    "precision": dict(max_staleness=0, rollout_is="token", sampler_dtype="bfloat16", skip_zero_variance=False),
 }
 
 
@@ -79,7 +81,7 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
         assert sorted(steps) == [0, 1], fam
         for v in steps.values():
             assert all(math.isfinite(x) for x in v.values()), (fam, v)
-    a, c, r, u, d = (train[f] for f in ("async", "clip", "reward", "updates", "dynamic"))
+    a, c, r, u, d, p = (train[f] for f in ("async", "clip", "reward", "updates", "dynamic", "precision"))
     # async: step 1 was sampled by policy 0 while step 0 trained, and corrected for it
     assert a[1]["policy_lag_max"] == 1 and a[0]["policy_lag_max"] == 0
     assert 0 < a[1]["is_weight_mean"] <= 4.0 and a[1]["mismatch_kl"] >= 0, a
@@ -96,3 +98,8 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     for s in (0, 1):
         assert flat_refills(s, 2) <= d[s]["refilled"] <= 8, (s, d[s], flat_refills(s, 2))
     assert flat_refills(0, 2) > 0 and all(v["refilled"] == 0 for v in u.values())
+    # a bfloat16 sampler, strictly on-policy: the only gap left is the numeric one, and
+    # the correction measures it, far above the float32 sampler's of the dynamic job
+    gap = {f: max(v["mismatch_kl"] for v in steps.values()) for f, steps in (("bf16", p), ("fp32", d))}
+    assert all(v["policy_lag_max"] == 0 and v["mismatch_kl"] > 0 for v in p.values()), p
+    assert gap["bf16"] > 100 * gap["fp32"], gap

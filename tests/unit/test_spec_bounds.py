@@ -162,3 +162,15 @@ def test_the_defaults_and_examples_pass():
     spec_from_dict({})
     for f in sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml")):
         spec_from_dict(tomllib.loads(f.read_text()))
+
+
+def test_sampler_dtype_is_one_of_three_and_auto_follows_the_device():
+    from opentinker.services.rollout.service import resolve_sampler_dtype
+
+    assert spec_from_dict({"sampler_dtype": "bfloat16"}).sampler_dtype == "bfloat16"
+    e = refused({"sampler_dtype": "float16"})
+    assert e.field == "sampler_dtype"
+    assert [resolve_sampler_dtype(d, "cpu") for d in ("auto", "float32", "bfloat16")] == \
+        ["float32", "float32", "bfloat16"]
+    assert [resolve_sampler_dtype(d, "cuda") for d in ("auto", "float32", "bfloat16")] == \
+        ["bfloat16", "float32", "bfloat16"]
