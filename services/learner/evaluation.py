@@ -72,8 +72,8 @@ class Evaluator:
         reqs = [RolloutRequest(job_id=self.job_id, request_id=f"{prefix}e{i}", step=version, group_index=i,
                                group_seed=eval_seed(spec.seed, i), policy_version=version, model=spec.model,
                                env=spec.env, env_args=spec.env_args, group_size=1, sampling=sampling,
-                               engine=spec.engine, sampler_dtype=spec.sampler_dtype, split=spec.eval_split, attempt=self.attempt,
-                               policy_run=self.run_id, purpose="eval", agents=spec.agents)
+                               engine=spec.engine, sampler_dtype=spec.sampler_dtype, split=spec.eval_split,
+                               attempt=self.attempt, policy_run=self.run_id, purpose="eval", agents=spec.agents)
                 for i in range(spec.eval_episodes)]
         self.asked.update(r.request_id for r in reqs)
         return reqs
