@@ -162,7 +162,7 @@ async def test_rollout_serves_only_what_the_scheduler_placed_on_it(world):
     await world.service.publish(S.rollout(world.a_job, "adv-r1"), req(world.a_job, model="gpt2"))
     want = ("`request_id`", "no job 'bob-job'", "`model`: 'gpt2'")
     # 90 s: the worker reads these only between the groups it is sampling for alice's job,
-    # which on 2 loaded cores took more than 30 s once (2026-11-27)
+    # and once, on 2 loaded cores, the last refusal had not come after 30 s (2026-11-27)
     letters = await dead_letters(world.service, "rollout", since,
                                  lambda d: all(any(x in e.reason for e in d) for x in want), timeout_s=90)
     for x in want:
