@@ -12,8 +12,9 @@ others from an existing results file):
 - trl: TRL's GRPOTrainer (https://huggingface.co/docs/trl/grpo_trainer; GRPO: Shao et
   al. 2024, DeepSeekMath, arXiv 2402.03300) with the spec's model, LoRA, lr (constant),
   batch (prompts_per_step x group_size completions, one optimizer step each), new tokens,
-  temperature, top_p and steps, beta = kl_coef (0) and epsilon = clip_range (0.2); TRL
-  generates with transformers in process. Its prompts are the problems OpenTinker's
+  temperature, top_p and steps, beta = kl_coef (0) and epsilon = clip_range (0.2), and
+  the learner's precision (`dtype`: a bfloat16 one loads TRL's policy in bfloat16 with
+  `bf16=True`; float32 otherwise); TRL generates with transformers in process. Its prompts are the problems OpenTinker's
   learner asks for (the group seeds of (seed, step, group)), in the same order, rendered
   and rewarded by the env's own code (envhost.service: initial_state, open_episode,
   take_step).
@@ -154,8 +155,12 @@ def run_trl(spec, model_path: str, pass1_k: int) -> dict[str, Any]:
         num_generations=spec.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
         top_p=s.top_p, learning_rate=spec.lr, beta=spec.kl_coef, epsilon=spec.clip_range, max_steps=spec.steps,
         max_grad_norm=spec.max_grad_norm, weight_decay=spec.weight_decay, logging_steps=1, use_cpu=True,
-        bf16=False, report_to=[], save_strategy="no", seed=spec.seed, gradient_accumulation_steps=1,
+        report_to=[], save_strategy="no", seed=spec.seed, gradient_accumulation_steps=1,
         shuffle_dataset=False, lr_scheduler_type="constant", warmup_steps=0,
+        # the learner's precision, as ours: a bfloat16 `dtype` loads TRL's policy in
+        # bfloat16 too (its training and its generation, transformers' defaults otherwise)
+        bf16=spec.dtype == "bfloat16",
+        model_init_kwargs={"dtype": "bfloat16" if spec.dtype == "bfloat16" else "float32"},
     )
     lora = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=list(spec.lora_target_modules),
                       lora_dropout=0.0, task_type="CAUSAL_LM")

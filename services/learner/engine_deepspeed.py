@@ -90,7 +90,8 @@ class TrainEngine:
                                f"in this process is {picked!r}, fixed at its first import")
         from transformers import AutoTokenizer
 
-        from opentinker.services.core.models import load_policy_model, load_processor, lora_targets
+        from opentinker.services.core.models import (load_policy_model, load_processor, lora_targets,
+                                                     training_attention)
 
         self.spec = spec
         self.device = device
@@ -99,7 +100,8 @@ class TrainEngine:
         dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = load_policy_model(model_path, dtype=dtype)
+        attention = training_attention(device, spec.dtype)
+        model = load_policy_model(model_path, dtype=dtype, **({"attn_implementation": attention} if attention else {}))
         # a vision-language model's image processor: Batch.images -> pixel values
         self.processor = load_processor(model_path)
         model.config.use_cache = False

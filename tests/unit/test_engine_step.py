@@ -74,6 +74,34 @@ def test_policy_position_logprobs_equal_the_full_logits(tiny_model, rank_env):
         eng.close()
 
 
+def test_a_bfloat16_learner_on_cpu_attends_eagerly_with_sdpa_s_logprobs(tiny_model, rank_env):
+    """On a CPU a bfloat16 learner loads eager attention (SDPA's CPU kernel is slow in
+    bfloat16, models.training_attention); over a padded batch its policy logprobs equal
+    those of the same weights under SDPA, within bfloat16's rounding. A float32 learner
+    keeps transformers' default."""
+    from opentinker.services.core.models import load_policy_model
+
+    eng = _engine(tiny_model, dtype="bfloat16")
+    try:
+        assert eng.module.config._attn_implementation == "eager"
+        trajs = [_traj(0, 5, 3, 1.0), _traj(1, 9, 4, 0.0), _traj(2, 3, 6, 1.0)]
+        b = build_batch(trajs, [1.0, -1.0, 0.5], eng.pad_id)
+        assert not bool(b.attention_mask.all())  # padded: the mask matters
+        sdpa = load_policy_model(tiny_model, dtype=torch.bfloat16, attn_implementation="sdpa")
+        with torch.no_grad():
+            eager_logp, _ = eng._logprobs(eng.engine, b, 1.0)
+            ref, _ = token_logprobs(sdpa(input_ids=b.input_ids, attention_mask=b.attention_mask).logits, b.input_ids)
+        keep = b.loss_mask > 0
+        assert torch.allclose(eager_logp[keep], ref[keep], atol=0.05), (eager_logp[keep] - ref[keep]).abs().max()
+    finally:
+        eng.close()
+    fp32 = _engine(tiny_model)
+    try:
+        assert fp32.module.config._attn_implementation == "sdpa"
+    finally:
+        fp32.close()
+
+
 def test_one_optimizer_update_per_planned_update(tiny_model, rank_env):
     eng = _engine(tiny_model, rollout_is="token")
     try:
