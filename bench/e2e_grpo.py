@@ -25,8 +25,9 @@ others from an existing results file):
   (`opentinker up`'s Stack: nats-server and every service as its own process, vLLM
   rollout, DeepSpeed learner) in a fresh home under bench/results/tmp/, after a 1-step
   warm-up job (not reported; `--no-warmup`) so that neither pays the rollout engine's start.
-- async-bf16 (only with `--only`): the async job with `dtype = "bfloat16"`, the learner
-  in bf16 against the float32 vLLM sampler, the gap left to the behaviour correction;
+- async-bf16 (only with `--only`): the async job with `dtype = "bfloat16"` and
+  `sampler_dtype = "float32"`, the learner in bf16 against a float32 vLLM sampler, the
+  gap left to the behaviour correction;
   `--only async,async-bf16` runs the two side by side (ratio "async-bf16_vs_async").
 
 Reported per system (bench/results/e2e_grpo.json, definitions in bench/e2e_report.py):
@@ -82,7 +83,7 @@ SYSTEMS = ("trl", "sync", "async", "async-bf16")
 DEFAULT_SYSTEMS = ("trl", "sync", "async")  # async-bf16 only when asked for (--only)
 STALENESS = {"sync": 0, "async": 1, "async-bf16": 1}
 # what a system changes in the TOML's spec besides max_staleness
-SYSTEM_FIELDS = {"async-bf16": {"dtype": "bfloat16"}}
+SYSTEM_FIELDS = {"async-bf16": {"dtype": "bfloat16", "sampler_dtype": "float32"}}
 SPAN_LOGS = ("scheduler", "envhost", "recorder", "rollout", "learner")
 
 
@@ -113,6 +114,7 @@ def run_trl(spec, model_path: str, pass1_k: int) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from opentinker.services.core.models import resolve_dtype
     from opentinker.services.envhost.registry import BUILTIN
     from opentinker.services.envhost.service import initial_state, open_episode, take_step
     from opentinker.services.learner.job import group_seed
@@ -150,6 +152,7 @@ def run_trl(spec, model_path: str, pass1_k: int) -> dict[str, Any]:
     base_eval = evaluate_in_process(engine, spec, 0)
     base_pass1 = sampled_pass1(engine, spec, 0, pass1_k) if pass1_k else None
     s, n = spec.sampling, spec.prompts_per_step * spec.group_size
+    learner_dtype = resolve_dtype(spec.dtype, "cpu")  # "auto": bfloat16 on a CPU with AMX
     cfg = GRPOConfig(
         output_dir=str(ROOT / "bench" / "results" / "tmp" / "trl"), per_device_train_batch_size=n,
         num_generations=spec.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
@@ -159,8 +162,8 @@ def run_trl(spec, model_path: str, pass1_k: int) -> dict[str, Any]:
         shuffle_dataset=False, lr_scheduler_type="constant", warmup_steps=0,
         # the learner's precision, as ours: a bfloat16 `dtype` loads TRL's policy in
         # bfloat16 too (its training and its generation, transformers' defaults otherwise)
-        bf16=spec.dtype == "bfloat16",
-        model_init_kwargs={"dtype": "bfloat16" if spec.dtype == "bfloat16" else "float32"},
+        bf16=learner_dtype == "bfloat16",
+        model_init_kwargs={"dtype": learner_dtype},
     )
     lora = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=list(spec.lora_target_modules),
                       lora_dropout=0.0, task_type="CAUSAL_LM")

@@ -33,6 +33,7 @@ class SpecError(ValueError):
 Engine = Literal["auto", "vllm", "hf"]
 # the sampler's weights and activations ("auto": bfloat16 on CUDA, float32 on CPU)
 SamplerDtype = Literal["auto", "float32", "bfloat16"]
+LearnerDtype = Literal["auto", "float32", "bfloat16"]
 # how group-relative advantages are formed (loss.group_advantages)
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 # how per-token losses become the step's loss (loss.aggregation_weights; verl's loss_agg_mode)
@@ -103,8 +104,11 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     importance sampling, Yao et al. 2025, "Your efficient RL framework secretly brings
     you off-policy RL training"; verl's rollout-correction docs.
 
-    Precision: `dtype` is the learner's, `sampler_dtype` the rollout engine's ("auto":
-    bfloat16 on CUDA, float32 on CPU). A bfloat16 sampler beside a float32 learner is
+    Precision: `dtype` is the learner's ("auto": bfloat16 where the learner's device
+    computes it natively, a CUDA GPU or a CPU with AMX; float32 elsewhere),
+    `sampler_dtype` the rollout engine's ("auto": bfloat16 on CUDA; on a CPU, bfloat16
+    when the learner's `dtype` resolves to bfloat16 on that CPU and it has AMX, else
+    float32). A bfloat16 sampler beside a float32 learner is
     the setup Yao et al. measured; `rollout_is` absorbs the gap (mean |delta logprob|
     ~0.03 nats on SmolLM2-135M). On a CPU with native bf16 (AMX) it samples ~1.5x faster.
 
@@ -164,7 +168,7 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     checkpoint_every: Bounded(int, 1, 1_000_000) = 10
     engine: Engine = "auto"
     zero_stage: Bounded(int, 0, 3) = 0
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: LearnerDtype = "float32"
     sampler_dtype: SamplerDtype = "auto"
     advantage: Literal["episode", "turn"] = "episode"
     turn_discount: Bounded(float, 0, 1) = 1.0

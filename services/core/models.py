@@ -181,6 +181,30 @@ def load_policy_model(model: str, **kwargs):
     return cls.from_pretrained(model, **kwargs)
 
 
+def native_bf16(device: str) -> bool:
+    """Whether `device` ("cpu", "cuda", "cuda:N") computes bfloat16 natively: a CUDA GPU
+    that supports it (Ampere and later), or a CPU with AMX tiles (Intel Sapphire Rapids
+    and later), where oneDNN runs bfloat16 matrix products in hardware. Elsewhere PyTorch
+    emulates bfloat16 and a learner step in it is many times slower than in float32."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx and amx())
+
+
+def resolve_dtype(asked: str, device: str) -> str:
+    """The learner's precision for a job's `dtype` on `device`: "float32" and "bfloat16"
+    as asked; "auto" is bfloat16 where `device` computes it natively (native_bf16),
+    float32 elsewhere. Raises ValueError for another value."""
+    if asked in ("float32", "bfloat16"):
+        return asked
+    if asked != "auto":
+        raise ValueError(f"`dtype` must be 'auto', 'float32' or 'bfloat16', got {asked!r}")
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
 def training_attention(device: str, dtype: str) -> str | None:
     """The attention implementation a learner on `device` in `dtype` ("float32" or
     "bfloat16") loads its model with: "eager" for bfloat16 on a CPU, None (transformers'

@@ -91,16 +91,17 @@ class TrainEngine:
         from transformers import AutoTokenizer
 
         from opentinker.services.core.models import (load_policy_model, load_processor, lora_targets,
-                                                     training_attention)
+                                                     resolve_dtype, training_attention)
 
         self.spec = spec
         self.device = device
         self.kind = "lora" if spec.lora_rank > 0 else "full"
         self.loss_cfg = LossConfig.from_spec(spec)
-        dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
+        self.dtype = resolve_dtype(spec.dtype, device)
+        dtype = torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        attention = training_attention(device, spec.dtype)
+        attention = training_attention(device, self.dtype)
         model = load_policy_model(model_path, dtype=dtype, **({"attn_implementation": attention} if attention else {}))
         # a vision-language model's image processor: Batch.images -> pixel values
         self.processor = load_processor(model_path)
@@ -133,13 +134,13 @@ class TrainEngine:
             "gradient_clipping": 0.0 if spec.algorithm == "tinker" else spec.max_grad_norm,
             "zero_optimization": {"stage": spec.zero_stage},
             "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": spec.dtype == "bfloat16"},
+            "bf16": {"enabled": self.dtype == "bfloat16"},
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         log.info("engine ready: %s, %d trainable parameters, ZeRO %d, %s, %s, rank %d of %d",
-                 self.kind, self.n_trainable, spec.zero_stage, spec.dtype, device, self.rank, self.world_size)
+                 self.kind, self.n_trainable, spec.zero_stage, self.dtype, device, self.rank, self.world_size)
 
     @property
     def module(self) -> torch.nn.Module:

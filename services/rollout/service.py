@@ -111,12 +111,19 @@ def check_request(req: RolloutRequest, subject: str) -> str:
 # -- engines -------------------------------------------------------------------
 
 
-def resolve_sampler_dtype(asked: str, device: str) -> str:
-    """The engine dtype for a job's `sampler_dtype` on `device`: "auto" is bfloat16 on
-    CUDA and float32 on CPU (sampler logprobs within ~4e-5 of a float32 learner's)."""
+def resolve_sampler_dtype(asked: str, device: str, learner_dtype: str = "float32") -> str:
+    """The engine dtype for a job's `sampler_dtype` on `device`, given the job's learner
+    `dtype`: "auto" is bfloat16 on CUDA; on a CPU it is bfloat16 when the learner's
+    dtype resolves to bfloat16 here (models.resolve_dtype) and this CPU computes it
+    natively (AMX), float32 otherwise (sampler logprobs within ~4e-5 of a float32
+    learner's)."""
     if asked != "auto":
         return asked
-    return "bfloat16" if device == "cuda" else "float32"
+    if device == "cuda":
+        return "bfloat16"
+    from opentinker.services.core.models import native_bf16, resolve_dtype
+
+    return "bfloat16" if resolve_dtype(learner_dtype, "cpu") == "bfloat16" and native_bf16("cpu") else "float32"
 
 
 def pick_engine(requested: str, configured: str, model_dir: str) -> str:
@@ -141,7 +148,10 @@ class RolloutWorker:
             "cuda" if torch.cuda.is_available() else "cpu")
         self.seed = zlib.crc32(self.worker.encode())
         self.env = NatsEnvClient(bus, setup_retry_s=ENV_SETUP_RETRY_S)
-        self.engines: dict[tuple[str, str], EngineSlot] = {}
+        self.engines: dict[tuple[str, str, str], EngineSlot] = {}
+        # job id -> its learner `dtype`, read from the job record at admission: a CPU
+        # sampler's "auto" precision follows it (resolve_sampler_dtype)
+        self.learner_dtype: dict[str, str] = {}
         self.policies = PolicyTracker(bus, Path(settings.home) / "cache" / "adapters")
 
     async def start(self) -> None:
@@ -154,18 +164,20 @@ class RolloutWorker:
 
     # -- engines --
 
-    async def engine_for(self, req: RolloutRequest) -> EngineSlot:
+    async def engine_for(self, req: RolloutRequest, learner_dtype: str = "float32") -> EngineSlot:
         """The engine slot for the request's model; see engine_for_model."""
-        return await self.engine_for_model(req.model, req.engine, req.sampler_dtype)
+        return await self.engine_for_model(req.model, req.engine, req.sampler_dtype, learner_dtype)
 
-    async def engine_for_model(self, model: str, engine: str, sampler_dtype: str = "auto") -> EngineSlot:
+    async def engine_for_model(self, model: str, engine: str, sampler_dtype: str = "auto",
+                               learner_dtype: str = "float32") -> EngineSlot:
         """The engine slot for `model` on `engine` ("auto", "vllm", "hf") in
-        `sampler_dtype` ("auto", "float32", "bfloat16"), created on first use. Raises
+        `sampler_dtype` ("auto", "float32", "bfloat16"; "auto" follows the job's
+        `learner_dtype` on a CPU, resolve_sampler_dtype), created on first use. Raises
         OSError/ValueError/RuntimeError/ImportError when the model or engine cannot load."""
         model_dir = await asyncio.to_thread(resolve_model, model, self.settings.home)
         kind = pick_engine(engine, self.settings.engine, model_dir)
         chosen_for_us = engine == "auto" and self.settings.engine == "auto"
-        dtype = resolve_sampler_dtype(sampler_dtype, self.device)
+        dtype = resolve_sampler_dtype(sampler_dtype, self.device, learner_dtype)
         key = (model_dir, kind, dtype)
         if key in self.engines:
             self.engines[key].last_used = time.monotonic()
@@ -246,6 +258,7 @@ class RolloutWorker:
             return "refuse", f"`job_id`: no job {req.job_id!r} (only jobs placed on this worker are served)"
         rec = got[0]
         if rec.state.terminal:
+            self.learner_dtype.pop(req.job_id, None)
             return "skip", f"job {req.job_id} is {rec.state.value}"
         if req.attempt != rec.attempt:
             return "skip", f"attempt {req.attempt} is past (the job is at attempt {rec.attempt})"
@@ -258,6 +271,7 @@ class RolloutWorker:
         if req.sampler_dtype != rec.spec.sampler_dtype:
             return "refuse", (f"`sampler_dtype`: {req.sampler_dtype!r} is not job {req.job_id}'s "
                               f"sampler_dtype {rec.spec.sampler_dtype!r}")
+        self.learner_dtype[req.job_id] = rec.spec.dtype
         return "serve", ""
 
     async def handle(self, msgs: list[Msg]) -> None:
@@ -324,7 +338,7 @@ class RolloutWorker:
         msg_of = {r.request_id: m for r, m in items}
         job_id = reqs[0].job_id
         try:
-            slot = await self.engine_for(reqs[0])
+            slot = await self.engine_for(reqs[0], self.learner_dtype.get(job_id, "float32"))
         except (OSError, ValueError, RuntimeError, ImportError) as e:
             for _, m in items:
                 pending.pop(id(m), None)

@@ -257,9 +257,9 @@ def test_opentinker_specs_override_only_staleness_steps_and_evaluation():
                                                                        if k not in changed}
         spec_from_dict(spec)  # a valid job
     assert base["max_staleness"] == load_job_config(str(E.CONFIG), [])["max_staleness"]  # not mutated
-    # async-bf16: the async spec with the learner in bfloat16, nothing else changed
+    # async-bf16: the async spec with the learner in bfloat16 and a float32 sampler
     bf16 = E.opentinker_spec(base, "async-bf16", 7, 64)
-    assert bf16 == {**E.opentinker_spec(base, "async", 7, 64), "dtype": "bfloat16"}
+    assert bf16 == {**E.opentinker_spec(base, "async", 7, 64), "dtype": "bfloat16", "sampler_dtype": "float32"}
     spec_from_dict(bf16)
     assert E.parse_only(None) == ["trl", "sync", "async"]  # bf16 only when asked for
     assert E.parse_only(["async-bf16,async"]) == ["async", "async-bf16"]

@@ -174,3 +174,29 @@ def test_sampler_dtype_is_one_of_three_and_auto_follows_the_device():
         ["float32", "float32", "bfloat16"]
     assert [resolve_sampler_dtype(d, "cuda") for d in ("auto", "float32", "bfloat16")] == \
         ["bfloat16", "float32", "bfloat16"]
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_dtype_auto_is_bfloat16_only_where_the_device_computes_it_and_a_cpu_sampler_follows(amx, monkeypatch):
+    """`dtype = "auto"`: bfloat16 on a CPU with AMX, float32 on one without (emulated
+    bfloat16 is many times slower there). A CPU sampler's "auto" follows the learner:
+    bfloat16 only for a learner that resolves to bfloat16 on a CPU that has AMX."""
+    import torch
+
+    from opentinker.services.core.models import native_bf16, resolve_dtype
+    from opentinker.services.rollout.service import resolve_sampler_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert native_bf16("cpu") is amx
+    assert spec_from_dict({"dtype": "auto"}).dtype == "auto"
+    assert refused({"dtype": "float16"}).field == "dtype"
+    with pytest.raises(ValueError, match="`dtype` must be 'auto', 'float32' or 'bfloat16', got 'fp8'"):
+        resolve_dtype("fp8", "cpu")
+    native = "bfloat16" if amx else "float32"
+    assert [resolve_dtype(d, "cpu") for d in ("auto", "float32", "bfloat16")] == [native, "float32", "bfloat16"]
+    assert [resolve_sampler_dtype("auto", "cpu", d) for d in ("auto", "float32", "bfloat16")] == \
+        [native, "float32", native]
+    # an explicit sampler precision is kept, whatever the learner's
+    assert resolve_sampler_dtype("float32", "cpu", "bfloat16") == "float32"
+    assert resolve_sampler_dtype("bfloat16", "cpu", "float32") == "bfloat16"
+    assert resolve_sampler_dtype("auto", "cuda", "float32") == "bfloat16"
