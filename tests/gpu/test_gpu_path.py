@@ -1,6 +1,7 @@
 """The GPU path, on a machine with CUDA (`pytest -m gpu tests/gpu`; skipped without a
 device): the DeepSpeed learner on CUDA against the same step on CPU (and a CPU learner
-refused in a process whose DeepSpeed took CUDA), the bf16 learner,
+refused in a process whose DeepSpeed took CUDA), the bf16 learner (and `dtype = "auto"`
+resolving to it),
 vLLM's CUDA engine with an in-place weight reload, and the data-parallel learner on
 every GPU (one rank each, nccl) against one rank."""
 
@@ -74,6 +75,27 @@ def test_a_cpu_learner_beside_a_cuda_one_is_refused(tiny_model, rank_env):
 def test_the_bf16_learner_on_cuda_trains(tiny_model, rank_env):
     out, b = _step(tiny_model, "cuda", dtype="bfloat16")
     assert math.isfinite(out["loss"]) and out["grad_norm"] > 0 and b.abs().sum() > 0
+
+
+@pytest.mark.timeout(600)
+def test_dtype_auto_on_cuda_is_a_bfloat16_learner_with_sdpa(tiny_model, rank_env):
+    """`dtype = "auto"` on a GPU with bf16: a bfloat16 learner, which keeps transformers'
+    SDPA attention (eager is the CPU's choice); the sampler's "auto" is bfloat16 there."""
+    from opentinker.schemas import JobSpec
+    from opentinker.services.core.models import native_bf16
+    from opentinker.services.learner.engine_deepspeed import TrainEngine
+    from opentinker.services.rollout.service import resolve_sampler_dtype
+
+    assert native_bf16("cuda")
+    assert resolve_sampler_dtype("auto", "cuda", "auto") == "bfloat16"
+    spec = JobSpec(lora_rank=4, lora_alpha=8, micro_batch_size=2, prompts_per_step=1, group_size=8, dtype="auto")
+    eng = TrainEngine(spec, tiny_model, device="cuda")
+    try:
+        assert eng.dtype == "bfloat16"
+        assert next(eng.module.parameters()).dtype == torch.bfloat16
+        assert eng.module.config._attn_implementation == "sdpa"
+    finally:
+        eng.close()
 
 
 @pytest.mark.timeout(900)
