@@ -205,6 +205,19 @@ def resolve_dtype(asked: str, device: str) -> str:
     return "bfloat16" if native_bf16(device) else "float32"
 
 
+def resolve_sampler_dtype(asked: str, device: str, learner_dtype: str = "float32") -> str:
+    """The engine dtype for a job's `sampler_dtype` on `device`, given the job's learner
+    `dtype`: "auto" is bfloat16 on CUDA; on a CPU it is bfloat16 when the learner's
+    dtype resolves to bfloat16 here (resolve_dtype) and this CPU computes it
+    natively (AMX), float32 otherwise (sampler logprobs within ~4e-5 of a float32
+    learner's)."""
+    if asked != "auto":
+        return asked
+    if device == "cuda":
+        return "bfloat16"
+    return "bfloat16" if resolve_dtype(learner_dtype, "cpu") == "bfloat16" and native_bf16("cpu") else "float32"
+
+
 def training_attention(device: str, dtype: str) -> str | None:
     """The attention implementation a learner on `device` in `dtype` ("float32" or
     "bfloat16") loads its model with: "eager" for bfloat16 on a CPU, None (transformers'

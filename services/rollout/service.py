@@ -68,7 +68,7 @@ from opentinker.services.core import tracing
 from opentinker.services.core.bus import TRANSIENT, Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import Heartbeat, default_worker_id, machine_capacity
-from opentinker.services.core.models import resolve_model
+from opentinker.services.core.models import resolve_model, resolve_sampler_dtype
 from opentinker.services.core.runner import run_service
 from opentinker.services.rollout.agent_loop import AgentLoop
 from opentinker.services.rollout.env_client import ENV_SETUP_RETRY_S, NatsEnvClient
@@ -109,21 +109,6 @@ def check_request(req: RolloutRequest, subject: str) -> str:
 
 
 # -- engines -------------------------------------------------------------------
-
-
-def resolve_sampler_dtype(asked: str, device: str, learner_dtype: str = "float32") -> str:
-    """The engine dtype for a job's `sampler_dtype` on `device`, given the job's learner
-    `dtype`: "auto" is bfloat16 on CUDA; on a CPU it is bfloat16 when the learner's
-    dtype resolves to bfloat16 here (models.resolve_dtype) and this CPU computes it
-    natively (AMX), float32 otherwise (sampler logprobs within ~4e-5 of a float32
-    learner's)."""
-    if asked != "auto":
-        return asked
-    if device == "cuda":
-        return "bfloat16"
-    from opentinker.services.core.models import native_bf16, resolve_dtype
-
-    return "bfloat16" if resolve_dtype(learner_dtype, "cpu") == "bfloat16" and native_bf16("cpu") else "float32"
 
 
 def pick_engine(requested: str, configured: str, model_dir: str) -> str:

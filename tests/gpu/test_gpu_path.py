@@ -82,9 +82,8 @@ def test_dtype_auto_on_cuda_is_a_bfloat16_learner_with_sdpa(tiny_model, rank_env
     """`dtype = "auto"` on a GPU with bf16: a bfloat16 learner, which keeps transformers'
     SDPA attention (eager is the CPU's choice); the sampler's "auto" is bfloat16 there."""
     from opentinker.schemas import JobSpec
-    from opentinker.services.core.models import native_bf16
+    from opentinker.services.core.models import native_bf16, resolve_sampler_dtype
     from opentinker.services.learner.engine_deepspeed import TrainEngine
-    from opentinker.services.rollout.service import resolve_sampler_dtype
 
     assert native_bf16("cuda")
     assert resolve_sampler_dtype("auto", "cuda", "auto") == "bfloat16"

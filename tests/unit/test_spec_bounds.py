@@ -165,7 +165,7 @@ def test_the_defaults_and_examples_pass():
 
 
 def test_sampler_dtype_is_one_of_three_and_auto_follows_the_device():
-    from opentinker.services.rollout.service import resolve_sampler_dtype
+    from opentinker.services.core.models import resolve_sampler_dtype
 
     assert spec_from_dict({"sampler_dtype": "bfloat16"}).sampler_dtype == "bfloat16"
     e = refused({"sampler_dtype": "float16"})
@@ -183,8 +183,7 @@ def test_dtype_auto_is_bfloat16_only_where_the_device_computes_it_and_a_cpu_samp
     bfloat16 only for a learner that resolves to bfloat16 on a CPU that has AMX."""
     import torch
 
-    from opentinker.services.core.models import native_bf16, resolve_dtype
-    from opentinker.services.rollout.service import resolve_sampler_dtype
+    from opentinker.services.core.models import native_bf16, resolve_dtype, resolve_sampler_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     assert native_bf16("cpu") is amx
