@@ -31,8 +31,11 @@ class SpecError(ValueError):
 
 # the generation engine a job asks for ("auto": vLLM when it can run the model, else transformers)
 Engine = Literal["auto", "vllm", "hf"]
-# the sampler's weights and activations ("auto": bfloat16 on CUDA, float32 on CPU)
+# the sampler's weights and activations ("auto": bfloat16 on CUDA; on a CPU, bfloat16
+# when the learner's resolves to it there, else float32; core.models.resolve_sampler_dtype)
 SamplerDtype = Literal["auto", "float32", "bfloat16"]
+# the learner's ("auto": bfloat16 where the device computes it natively, CUDA or a CPU
+# with AMX; core.models.resolve_dtype)
 LearnerDtype = Literal["auto", "float32", "bfloat16"]
 # how group-relative advantages are formed (loss.group_advantages)
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]

@@ -213,7 +213,7 @@ def resolve_sampler_dtype(asked: str, device: str, learner_dtype: str = "float32
     learner's)."""
     if asked != "auto":
         return asked
-    if device == "cuda":
+    if str(device).startswith("cuda"):
         return "bfloat16"
     return "bfloat16" if resolve_dtype(learner_dtype, "cpu") == "bfloat16" and native_bf16("cpu") else "float32"
 

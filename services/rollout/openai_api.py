@@ -114,7 +114,7 @@ def make_app(worker: RolloutWorker) -> FastAPI:
     async def generate(rec: JobRecord, prompt_of: Any, sampling: SamplingParams) -> tuple[Any, list[int], int, Any]:
         try:
             slot = await worker.engine_for_model(rec.spec.model, rec.spec.engine, rec.spec.sampler_dtype,
-                                                      rec.spec.dtype)
+                                                 rec.spec.dtype)
         except (OSError, ValueError, RuntimeError, ImportError) as e:
             raise ApiError(503, f"cannot load model {rec.spec.model!r}: {e}") from None
         ids = prompt_of(slot.engine.tokenizer)

@@ -113,7 +113,7 @@ async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
     beat = asyncio.create_task(_in_progress(m))
     try:
         slot = await worker.engine_for_model(rec.spec.model, rec.spec.engine, rec.spec.sampler_dtype,
-                                                  rec.spec.dtype)
+                                             rec.spec.dtype)
         async with slot.lock:
             version = await worker.policies.ensure_weights(slot, req.sampler, req.weights)
             seqs, prompt = await asyncio.get_running_loop().run_in_executor(
