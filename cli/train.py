@@ -11,9 +11,12 @@ from opentinker.cli.common import load_job_config, run_client
 from opentinker.cli.common import console as new_console
 
 
-async def _submit_with_retry(client, spec: dict, job_id: str, wait_s: float):
-    """Submit, retrying while no scheduler answers yet (the stack is starting)."""
+async def _submit_with_retry(client, spec: dict, job_id: str, wait_s: float, starting: bool = False):
+    """Submit, retrying while no scheduler answers yet, and (`starting`: the stack was
+    just started) while its envhost does not serve the job's env yet."""
     import nats
+
+    from opentinker.schemas.job import SpecError
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -22,7 +25,10 @@ async def _submit_with_retry(client, spec: dict, job_id: str, wait_s: float):
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             if time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(1.0)
+        except SpecError as e:
+            if not (starting and e.field == "env") or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(1.0)
 
 
 async def _train(args: argparse.Namespace, nats_url: str) -> int:
@@ -36,7 +42,7 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
     client = await Client.connect(nats_url)
     try:
         try:
-            job = await _submit_with_retry(client, spec, args.job_id, 120 if args.up else 10)
+            job = await _submit_with_retry(client, spec, args.job_id, 120 if args.up else 10, starting=args.up)
         except SpecError as e:
             console.print(f"[red]refused:[/] {e}")
             return 2

@@ -33,10 +33,13 @@ from opentinker.schemas.deadletter import DeadLetter
 from opentinker.schemas.env import (
     AgentOpening,
     EnvCloseRequest,
+    EnvInfoReply,
+    EnvInfoRequest,
     EnvInitReply,
     EnvInitRequest,
     EnvResetReply,
     EnvResetRequest,
+    EnvServed,
     EnvStepReply,
     EnvStepRequest,
 )
@@ -66,7 +69,7 @@ __all__ = [
     "CancelJob", "CancelReply", "JobAssigned", "JobRecord", "JobState", "JobStateChanged",
     "SubmitJob", "SubmitReply", "DeadLetter",
     "AgentOpening", "EnvCloseRequest", "EnvInitReply", "EnvInitRequest", "EnvResetReply", "EnvResetRequest",
-    "EnvStepReply", "EnvStepRequest",
+    "EnvStepReply", "EnvStepRequest", "EnvInfoRequest", "EnvInfoReply", "EnvServed",
     "JobSpec", "SamplingParams", "SpecError", "validate_job_spec",
     "Metrics", "RolloutRequest", "Trajectory", "TurnRecord", "WeightsPublished",
 ]

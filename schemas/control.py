@@ -9,12 +9,12 @@ Producers and consumers:
 """
 
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from opentinker.schemas.base import Count, Message
-from opentinker.schemas.job import JobSpec
+from opentinker.schemas.job import ENV_NAME_RE, Bounded, JobSpec, SamplingParams
 from opentinker.schemas.pool import Placement
 
 
@@ -33,6 +33,23 @@ class JobState(str, Enum):
 JobKind = Literal["train", "inference"]
 
 
+class InferencePlan(Message, frozen=True, kw_only=True):
+    """The episodes an inference run asks for (sdk/infer.py): `episodes` in groups of
+    `group_size` sharing an initial state, group g seeded derived_seed("infer", seed, g)
+    (schemas/stats.py), on `split`, sampled with `sampling`, `agents` seats each. The
+    scheduler sends them to the placed rollout workers when it places the job (a user
+    publishes nothing on the bus); the user follows the trajectories and completes the
+    job (POST /v1/jobs/{id}/complete)."""
+
+    episodes: Bounded(int, 1, 4096) = 32
+    group_size: Bounded(int, 1, 256) = 1
+    split: Annotated[str, msgspec.Meta(pattern=ENV_NAME_RE.pattern)] = "test"
+    seed: Count = 0
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    agents: Bounded(int, 1, 8) = 1
+    policy_version: Bounded(int, 0, 1) = 0  # set by the scheduler: 1 when the job runs `policy_of`
+
+
 class SubmitJob(Message, frozen=True, kw_only=True):
     """Ask the scheduler to run a job. `job_id` is optional (the scheduler makes one).
 
@@ -48,6 +65,8 @@ class SubmitJob(Message, frozen=True, kw_only=True):
     api_key: str = ""
     # inference: serve this (your own) train job's latest policy instead of the base model
     policy_of: str = ""
+    # inference: the episodes to run (the scheduler asks the placed workers for them)
+    plan: InferencePlan | None = None
 
 
 class SubmitReply(Message, frozen=True, kw_only=True):
@@ -116,3 +135,8 @@ class JobRecord(Message, frozen=True, kw_only=True):
     # placed), and the SHA-256 (hex) of its bearer token
     endpoint: str = ""
     endpoint_token_sha256: str = ""
+    # whose envhosts serve the job's env: the user's own name when the scheduler found
+    # the user's own envhost serving `spec.env` at submit (requests then go to
+    # ot.env.user.<user>.<env>.*), "" for the operator's envs (ot.env.<env>.*)
+    env_owner: str = ""
+    plan: InferencePlan | None = None  # inference: SubmitJob.plan

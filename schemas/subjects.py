@@ -12,10 +12,21 @@
 | ot.job.<id>.ops.<seq>           | OT_TINKER   | tinker API | the session's learner     |
 | ot.job.<id>.results.<seq>       | OT_TINKER   | learner    | tinker API                |
 | ot.env.<env>.init / .reset      | (req/reply) | rollout    | envhost (queue group)     |
+| ot.env.<env>.info               | (req/reply) | scheduler  | envhost (queue group)     |
 | ot.env.host.<host>.step/.close  | (req/reply) | rollout    | the envhost holding it    |
+| ot.env.user.<user>.<env>.*      | (req/reply) | rollout, scheduler | the user's own envhosts (init, reset, info) |
+| ot.env.user.<user>.host.<h>.*   | (req/reply) | rollout    | the user's envhost holding the episode |
 | ot.dlq.<service>                | OT_DLQ      | any        | operators                 |
 
-KV buckets: `ot_jobs` (JobRecord by job id), `ot_workers` (WorkerInfo by
+`ot.env.user.<user>.>` is a tenant's own namespace: an envhost run by user U with
+their API key (account TENANTS, natsauth.py) may subscribe there and nowhere else, and
+publish only replies to the requests it received; the services reach it through a
+service import. A job's env requests go to its owner's namespace when the job record's
+`env_owner` names them (the scheduler resolved the job's env to the user's own served
+env at submit), else to the operator's `ot.env.<env>.`.
+
+KV buckets: `ot_jobs` (JobRecord by job id), `ot_envs` (the operator's env catalog:
+EnvServed by env name, written by the operator's envhosts), `ot_workers` (WorkerInfo by
 `<pool>.<worker>`, entries expire WORKER_TTL_S after the last heartbeat), `ot_users`
 and `ot_keys` (users, and API keys stored as argon2 hashes), `ot_tinker` (the tinker
 API's sessions by session id). Rollout requests name
@@ -30,6 +41,7 @@ subject) and so is every KV value (KV_MAX_VALUE_BYTES).
 import msgspec
 
 from opentinker.schemas.job import ENV_NAME_RE, JOB_ID_RE
+from opentinker.schemas.users import USER_NAME_RE
 
 SUBMIT = "ot.ctl.submit"
 CANCEL = "ot.ctl.cancel"
@@ -110,6 +122,7 @@ KV_WORKERS = "ot_workers"
 KV_USERS = "ot_users"
 KV_KEYS = "ot_keys"
 KV_TINKER = "ot_tinker"
+KV_ENVS = "ot_envs"
 WORKER_TTL_S = 10.0       # a worker missing heartbeats this long is gone
 WORKER_HEARTBEAT_S = 2.0
 KV_MAX_VALUE_BYTES = 1 * MIB  # one value of any KV bucket (a JobRecord holds a spec of < 200 KiB)
@@ -232,24 +245,50 @@ def recorder_durable(name: str, stream: str) -> Durable:
     return Durable(stream, f"recorder-{name}", STREAMS[stream][0][0])
 
 
-def env_init(env: str) -> str:
-    return f"ot.env.{_env(env)}.init"
+TENANT_ENVS = "ot.env.user"  # tenants' own env namespaces: ot.env.user.<user>.>
 
 
-def env_reset(env: str) -> str:
-    return f"ot.env.{_env(env)}.reset"
+def _env_base(owner: str) -> str:
+    """`ot.env` for the operator's envs (owner ""), `ot.env.user.<owner>` for a user's."""
+    return f"{TENANT_ENVS}.{check_user(owner)}" if owner else "ot.env"
+
+
+def env_init(env: str, owner: str = "") -> str:
+    """`ot.env.<env>.init`, or `ot.env.user.<owner>.<env>.init` for user `owner`'s env."""
+    return f"{_env_base(owner)}.{_env(env)}.init"
+
+
+def env_reset(env: str, owner: str = "") -> str:
+    return f"{_env_base(owner)}.{_env(env)}.reset"
+
+
+def env_info(env: str, owner: str = "") -> str:
+    """Where an envhost says it serves `env` (EnvInfoRequest -> EnvInfoReply)."""
+    return f"{_env_base(owner)}.{_env(env)}.info"
 
 
 def env_queue_group(env: str) -> str:
     return f"envhost-{_env(env)}"
 
 
-def env_step(host_id: str) -> str:
-    return f"ot.env.host.{host_id}.step"
+def env_step(host_id: str, owner: str = "") -> str:
+    return f"{_env_base(owner)}.host.{host_id}.step"
 
 
-def env_close(host_id: str) -> str:
-    return f"ot.env.host.{host_id}.close"
+def env_close(host_id: str, owner: str = "") -> str:
+    return f"{_env_base(owner)}.host.{host_id}.close"
+
+
+def tenant_envs(user: str) -> str:
+    """`ot.env.user.<user>.>`: every subject of user `user`'s own envhosts."""
+    return f"{TENANT_ENVS}.{check_user(user)}.>"
+
+
+def check_user(user: str) -> str:
+    """Return `user` if it is a valid user name (a subject token); ValueError otherwise."""
+    if not USER_NAME_RE.match(user):
+        raise ValueError(f"invalid user name {user!r}: must match {USER_NAME_RE.pattern}")
+    return user
 
 
 def dead_letter(service: str) -> str:

@@ -4,11 +4,14 @@ An API key is shown once, when it is made; only its argon2 hash is stored. A key
 found by its id (a short hash of the key, `key_id`) and then checked against the hash.
 """
 
+import re
 from typing import Literal
 
 from opentinker.schemas.base import Message
 
 Role = Literal["admin", "user"]
+# a user name: also a folder name (<home>/users/<user>/) and a subject token (ot.env.user.<user>.>)
+USER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
 class User(Message, frozen=True, kw_only=True):

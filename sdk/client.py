@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -37,32 +38,17 @@ from opentinker.schemas import (
     SubmitReply, decode, encode,
 )
 from opentinker.schemas import subjects as S
+from opentinker.schemas.control import InferencePlan
 from opentinker.schemas.job import SpecError, spec_from_dict
 from opentinker.services.core.bus import Bus
+from opentinker.services.core.config import default_api_key  # noqa: F401  (the SDK's own, re-exported)
 
 
 class AuthenticationError(PermissionError):
     """The scheduler refused the API key (missing, wrong or revoked)."""
 
 
-def default_api_key() -> str:
-    """$OPENTINKER_API_KEY, else the file named by $OPENTINKER_API_KEY_FILE, else the
-    local stack's admin key (`<home>/admin.key`, written by `opentinker up`), else ""."""
-    import os
-    from pathlib import Path
-
-    if os.environ.get("OPENTINKER_API_KEY"):
-        return os.environ["OPENTINKER_API_KEY"]
-    path = os.environ.get("OPENTINKER_API_KEY_FILE")
-    if not path:
-        from opentinker.services.core.config import default_home
-
-        path = str(Path(default_home()) / "admin.key")
-    p = Path(path)
-    return p.read_text().strip() if p.is_file() else ""
-
-
-_HISTORY = ("events", "metrics")  # the families the REST API serves history of
+_HISTORY = {"events": "events", "metrics": "metrics", "traj": "trajectories"}  # family -> REST route
 
 
 class Reader:
@@ -130,12 +116,12 @@ class RestReader(Reader):
     async def history(self, job_id: str, family: str, kind: type) -> list:
         if family not in _HISTORY:
             raise ValueError(f"no history of {family!r}")
-        return await self._get(f"/jobs/{S.check_job_id(job_id)}/{family}", list[kind])
+        return await self._get(f"/jobs/{S.check_job_id(job_id)}/{_HISTORY[family]}", list[kind])
 
     async def submit(self, cmd: SubmitJob) -> SubmitReply:
         """POST /v1/jobs. A refusal comes back as a SubmitReply naming the field."""
         body = {"spec": msgspec.to_builtins(cmd.spec), "job_id": cmd.job_id, "kind": cmd.kind,
-                "policy_of": cmd.policy_of}
+                "policy_of": cmd.policy_of, "plan": msgspec.to_builtins(cmd.plan) if cmd.plan else None}
         r = await self.http.post("/jobs", json=body)
         if r.status_code == 201:
             got = r.json()
@@ -144,9 +130,10 @@ class RestReader(Reader):
         field = "api_key" if r.status_code == 401 else str(detail.get("field", "")).removeprefix("spec.")
         return SubmitReply(ok=False, error=str(detail.get("error", r.text)), field=field)
 
-    async def cancel(self, job_id: str, reason: str) -> CancelReply:
-        """POST /v1/jobs/{id}/cancel."""
-        r = await self.http.post(f"/jobs/{S.check_job_id(job_id)}/cancel", json={"reason": reason[:500]})
+    async def cancel(self, job_id: str, reason: str, action: str = "cancel") -> CancelReply:
+        """POST /v1/jobs/{id}/cancel (or /complete, an inference job's end)."""
+        body = {"reason": reason[:500]} if action == "cancel" else None
+        r = await self.http.post(f"/jobs/{S.check_job_id(job_id)}/{action}", json=body)
         if r.status_code == 200:
             return CancelReply(ok=True, state=r.json().get("state", ""))
         if r.status_code == 401:
@@ -296,6 +283,18 @@ class Job:
             S.CANCEL, CancelJob(job_id=self.id, reason=reason, api_key=self.client.api_key), CancelReply)
 
 
+    async def complete(self, reason: str = "completed by its client") -> CancelReply:
+        """End an inference job as completed (a user: POST /v1/jobs/{id}/complete; a
+        service: its completion event, as the inference client reports it)."""
+        if isinstance(self.client.reader, RestReader):
+            return await self.client.reader.cancel(self.id, reason, action="complete")
+        rec = await self.record()
+        await self.client.bus.publish(S.job(self.id, "events"), JobStateChanged(
+            job_id=self.id, state=JobState.COMPLETED, reason=reason, time_s=time.time(), source="sdk",
+            attempt=rec.attempt))
+        return CancelReply(ok=True, state=JobState.COMPLETED.value)
+
+
 def _spec(spec: JobSpec | dict[str, Any], kind: str = "train") -> JobSpec:
     return spec_from_dict(spec, kind) if isinstance(spec, dict) else spec
 
@@ -385,16 +384,18 @@ class Client:
         await self.close()
 
     async def submit(self, spec: JobSpec | dict[str, Any], job_id: str = "",
-                     timeout_s: float = 10.0, kind: str = "train", policy_of: str = "") -> Job:
+                     timeout_s: float = 10.0, kind: str = "train", policy_of: str = "",
+                     plan: InferencePlan | None = None) -> Job:
         """Submit a job. `spec` is a JobSpec or plain data (a parsed TOML file). `kind`
         "inference" asks for rollout workers only (see `infer`, `submit_inference_job`);
-        with `policy_of` it runs that train job's newest policy as its version 1.
+        with `policy_of` it runs that train job's newest policy as its version 1, with
+        `plan` the scheduler asks its workers for the plan's episodes.
 
         Raises SpecError naming the field when the spec (locally or at the scheduler) is
         invalid, AuthenticationError when the API key is refused,
         nats.errors.NoRespondersError when no scheduler runs.
         """
-        cmd = SubmitJob(spec=_spec(spec, kind), job_id=job_id, kind=kind, policy_of=policy_of)
+        cmd = SubmitJob(spec=_spec(spec, kind), job_id=job_id, kind=kind, policy_of=policy_of, plan=plan)
         return (await self._submit(cmd, timeout_s))[0]
 
     async def _submit(self, cmd: SubmitJob, timeout_s: float) -> tuple[Job, SubmitReply]:

@@ -13,6 +13,13 @@ are RolloutRequests on `ot.job.<run>.rollout.<worker>`, and its trajectories com
 `ot.job.<run>.traj` (so the recorder logs them too). The same `seed` gives the same
 problems, so two runs (base model, trained policy) compare on identical episodes.
 
+Who sends the requests: a service identity publishes them itself. An API-key user
+publishes nothing on the bus, so the run's episodes travel in its SubmitJob as an
+InferencePlan, the scheduler asks the placed workers for them, the user follows the
+trajectories live (and from the REST API's history) and completes the run over REST
+(`POST /v1/jobs/{id}/complete`). A user's run takes a job's policy or a base model, not
+an adapter file. An env the user serves from their own envhost is found as in training.
+
 Writes `<out>/episodes.jsonl`, `<out>/episodes.parquet` (when pyarrow is installed)
 and `<out>/summary.json`. Imports no torch: adapters are read as bytes.
 """
@@ -43,6 +50,7 @@ from opentinker.schemas import (
     decode,
 )
 from opentinker.schemas import subjects as S
+from opentinker.schemas.control import InferencePlan
 from opentinker.schemas.job import SpecError
 from opentinker.schemas.stats import derived_seed, episode_stats, game_results
 
@@ -161,12 +169,12 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
     greedy (temperature 0) with 256 new tokens per turn. `on_episode(traj)` is called
     as each episode arrives. Raises InferError for a bad adapter or job, a request the
     rollout service refused (its dead-letter reason), or a run not done within
-    `timeout_s`; SpecError-like ValueError for bad arguments.
+    `timeout_s`; SpecError-like ValueError for bad arguments. An API-key user's run is
+    sent by the scheduler (InferencePlan), and may not take an `adapter`.
     """
-    if client.is_user:
-        raise InferError("infer publishes weights and reads trajectories on JetStream, which an API-key "
-                         "user may not: run it with a service identity ($NATS_NKEY, or on the machine "
-                         "of the local `opentinker up` stack)")
+    if client.is_user and adapter:
+        raise InferError("adapter: an API-key user cannot put weights on the bus; run a job's policy "
+                         "(job=...) or a base model (model=...), or train the adapter as a job here")
     if adapter and job:
         raise ValueError("adapter and job: pass one, not both")
     if episodes < 1 or group_size < 1 or episodes % group_size:
@@ -186,6 +194,76 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
         await _announce_adapter(client, run_id, adapter)
     version = 1 if adapter or job else 0
 
+    t0 = time.monotonic()
+    if client.is_user:  # the scheduler asks the workers for the plan's episodes (see module doc)
+        trajs = await _run_as_user(client, run_id, JobSpec(name="infer", model=model, env=env, engine=engine,
+                                                          env_args=dict(env_args or {})),
+                                   InferencePlan(episodes=episodes, group_size=group_size, split=split, seed=seed,
+                                                 sampling=sampling, agents=agents),
+                                   job or "", timeout_s, on_episode)
+    else:
+        trajs = await _run_as_service(client, run_id, model, env, engine, env_args, episodes, group_size, split,
+                                      seed, sampling, agents, job, version, timeout_s, on_episode)
+    summary = summarize(trajs)
+    summary.update(run_id=run_id, env=env, env_args=dict(env_args or {}), split=split, seed=seed,
+                   model=model, adapter=str(adapter) if adapter else None, job=job,
+                   policy_version=version, sampling=msgspec.to_builtins(sampling),
+                   wall_s=round(time.monotonic() - t0, 2))
+    out = write_results(out_dir, trajs, summary) if out_dir else None
+    return InferResult(run_id, trajs, summary, out)
+
+
+async def _run_as_user(client: Client, run_id: str, spec: JobSpec, plan: InferencePlan, job: str,
+                       timeout_s: float, on_episode) -> list[Trajectory]:
+    """An API-key user's run: submit it with its plan, follow its trajectories (live and
+    from the REST API's history), then complete it. Raises InferError."""
+    try:
+        placed = await client.submit(spec, job_id=run_id, kind="inference", policy_of=job, plan=plan)
+    except SpecError as e:
+        if e.field != "policy_of":
+            raise
+        raise InferError(f"job: {e} (no such job, or not trained yet)") from None
+    episodes = plan.episodes * plan.agents
+    got: dict[str, Trajectory] = {}
+
+    async def take() -> None:
+        async for t in placed._follow("traj", Trajectory, True):
+            if t.episode_id not in got:
+                got[t.episode_id] = t
+                if on_episode is not None:
+                    on_episode(t)
+            if len(got) >= episodes:
+                return
+
+    deadline = time.monotonic() + timeout_s
+    task = asyncio.ensure_future(take())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=2.0)
+            if task.done():
+                break
+            rec = await placed.record()
+            if rec.state.terminal:
+                raise InferError(f"inference job {run_id} {rec.state.value}: {rec.reason}")
+            if time.monotonic() > deadline:
+                raise InferError(f"{len(got)} of {episodes} episodes after {timeout_s:.0f} s: is a rollout worker "
+                                 f"and an envhost serving {spec.env!r} running?")
+        task.result()
+        await placed.complete(f"{len(got)} episodes")
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            await placed.cancel(f"inference run failed: {type(e).__name__}: {e}"[:500])
+        raise
+    finally:
+        task.cancel()
+    return sorted(got.values(), key=lambda t: (t.group_index, t.episode_id))
+
+
+async def _run_as_service(client: Client, run_id: str, model: str, env: str, engine: str, env_args, episodes: int,
+                          group_size: int, split: str, seed: int, sampling: SamplingParams, agents: int,
+                          job: str | None, version: int, timeout_s: float, on_episode) -> list[Trajectory]:
+    """A service identity's run: it sends the requests and reads the trajectories on
+    JetStream itself, and reports the run's end. Raises InferError."""
     t0 = time.monotonic()
     try:
         placed = await client.submit(JobSpec(name="infer", model=model, env=env, engine=engine,
@@ -214,13 +292,7 @@ async def infer(client: Client, *, env: str, model: str | None = None, adapter: 
         with contextlib.suppress(Exception):
             await placed.cancel(f"inference run failed: {type(e).__name__}: {e}"[:500])
         raise
-    summary = summarize(trajs)
-    summary.update(run_id=run_id, env=env, env_args=dict(env_args or {}), split=split, seed=seed,
-                   model=model, adapter=str(adapter) if adapter else None, job=job,
-                   policy_version=version, sampling=msgspec.to_builtins(sampling),
-                   wall_s=round(time.monotonic() - t0, 2))
-    out = write_results(out_dir, trajs, summary) if out_dir else None
-    return InferResult(run_id, trajs, summary, out)
+    return trajs
 
 
 async def _placement(job, timeout_s: float) -> tuple[list[str], int]:

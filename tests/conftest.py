@@ -43,8 +43,47 @@ def nats_server(tmp_path_factory):
     from opentinker.services.core.nats_server import NatsServer
 
     srv = NatsServer(tmp_path_factory.mktemp("nats")).start()
-    yield srv
-    srv.stop()
+    try:
+        register_operator_envs(srv.url, tmp_path_factory.mktemp("envhost"))
+        yield srv
+    finally:
+        srv.stop()
+
+
+def register_operator_envs(url: str, log_dir: Path) -> None:
+    """Run the operator's envhost (every built-in env) until it has written the env
+    catalog (KV `ot_envs`), as an operator's first `opentinker envhost` does: tests that
+    submit a job with no envhost of their own (a scheduler alone) name a known env."""
+    import asyncio
+    import time
+
+    from opentinker.schemas import subjects as S
+    from opentinker.services.core.bus import Bus
+
+    async def catalog() -> set[str]:
+        bus = await Bus.connect(url, "test")
+        try:
+            await bus.ensure_topology()
+            return set(await bus.kv_values(S.KV_ENVS))
+        finally:
+            await bus.close()
+
+    with open(log_dir / "envhost.log", "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "opentinker.services.envhost"], stdout=log,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, NATS_URL=url, OPENTINKER_HOME=str(HOME), NATS_NKEY=""))
+        try:
+            deadline = time.monotonic() + 120
+            while "arith" not in asyncio.run(catalog()):
+                assert p.poll() is None and time.monotonic() < deadline, (log_dir / "envhost.log").read_text()
+                time.sleep(0.3)
+        finally:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 @pytest.fixture(scope="session")
@@ -170,7 +209,8 @@ def make_lora(model_dir: str, r: int, alpha: int, std: float, seed: int):
 
 async def submit_when_ready(client, spec: dict, job_id: str, services=None, timeout_s: float = 180):
     """Submit, retrying while the scheduler is still starting (no responder yet, or a
-    request timing out while a cluster elects its JetStream leaders); after `timeout_s`
+    request timing out while a cluster elects its JetStream leaders) or its envhost does
+    not serve the job's env yet (refused naming `env`); after `timeout_s`
     fails the test with the services' logs when given."""
     import asyncio
     import time
@@ -187,7 +227,9 @@ async def submit_when_ready(client, spec: dict, job_id: str, services=None, time
         except SpecError as e:
             if timed_out and e.field == "job_id" and "already exists" in str(e):
                 return Job(client, job_id)  # a request that timed out had reached the scheduler
-            raise
+            if e.field != "env" or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.3)  # the test's envhost, started with the scheduler, is not serving yet
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
             timed_out = timed_out or not isinstance(e, nats.errors.NoRespondersError)
             if time.monotonic() > deadline:

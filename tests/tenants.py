@@ -76,7 +76,7 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
              "recorder": services.start("recorder", "recorder_flush_s=0.5", env=env),
              "learner-1": services.start("learner", "worker_id=adv-l1", env=env),
              "learner-2": services.start("learner", "worker_id=adv-l2", env=env),
-             "rollout": services.start("rollout", "engine=hf", "worker_id=adv-r1", env=env)}
+             "rollout": services.start("rollout", "engine=hf", "worker_id=adv-r1", "env_step_timeout_s=10", env=env)}
     api_url = f"http://127.0.0.1:{port}"
     api = httpx.AsyncClient(base_url=api_url, timeout=30)
     for _ in range(200):

@@ -33,12 +33,11 @@ import msgspec
 from opentinker.schemas import JobRecord, JobSpec, decode
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError
-from opentinker.schemas.users import User
+from opentinker.schemas.users import USER_NAME_RE, User
 from opentinker.services.core.models import DEFAULT_MODEL
 
-# the scheduler's user-name rule (services/core/users.py USER_RE): a name becomes a
-# folder name here
-USER_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# the scheduler's user-name rule: a name becomes a folder name here
+USER_RE = USER_NAME_RE
 # `org/name` on the Hugging Face hub; a token never starts with "." so it is never "." or ".."
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 # model names resolve_model knows without a path or the hub

@@ -56,7 +56,7 @@ DLQ_HEADERS = 32
 DLQ_HEADER_CHARS = 1024  # of each header's name and of its value
 DLQ_REASON_CHARS = 8192
 JS_STORAGE_EXHAUSTED = 10047  # JetStream's err_code: "insufficient storage resources available"
-KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS, S.KV_TINKER)
+KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS, S.KV_TINKER, S.KV_ENVS)
 
 # errors a NATS outage or a JetStream restart produces (the call may succeed later)
 TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.StaleConnectionError,
@@ -170,6 +170,7 @@ class Bus:
         self._kv: dict[str, Any] = {}
         self._obj: dict[str, Any] = {}
         self.replicas = 1  # of what this connection creates (ensure_topology sets it)
+        self.tenant = False  # a user's envhost (envhost/tenant.py): `_R_.` replies, no dead-letter stream
 
     @classmethod
     async def connect(cls, url: str | None = None, service: str = "client", **kw: Any) -> Bus:
@@ -459,7 +460,7 @@ class Bus:
 
     async def _answer(self, subject: str, kind: type[T],
                       handler: Callable[[T, Msg], Awaitable[msgspec.Struct]], m: Msg) -> None:
-        if m.reply and not reply_allowed(m.reply):
+        if m.reply and not (reply_allowed(m.reply) or (self.tenant and m.reply.startswith("_R_."))):
             # refused before anything is done: the request is not acted on either
             await self.dead_letter(m, f"{kind.__name__}: reply subject {m.reply!r} refused "
                                       "(a service answers only to an _INBOX. subject)")
@@ -482,10 +483,7 @@ class Bus:
                 await self.nc.publish(m.reply, encode(reply),
                                       headers=self.headers(reply, None, (m.headers or {}).get(S.H_TRACEPARENT)))
 
-    @staticmethod
-    def reply_allowed(subject: str | None) -> bool:
-        """See the module's `reply_allowed`."""
-        return reply_allowed(subject)
+    reply_allowed = staticmethod(reply_allowed)  # see the module's `reply_allowed`
 
     async def dead_letter(self, m: Msg, reason: str) -> None:
         """Record an unprocessable message on `ot.dlq.<service>` with the reason.
@@ -498,6 +496,8 @@ class Bus:
         caller still terminates the message.
         """
         data = bytes(m.data or b"")
+        if self.tenant:  # a user's connection publishes nothing but replies: the log keeps it
+            return log.warning("refused %s (%d bytes): %s", m.subject, len(data), reason[:DLQ_REASON_CHARS])
         headers = {str(k): str(v) for k, v in (m.headers or {}).items()}
         kept = {k[:DLQ_HEADER_CHARS]: v[:DLQ_HEADER_CHARS] for k, v in list(headers.items())[:DLQ_HEADERS]}
         truncated = (len(data) > DLQ_PAYLOAD_BYTES or len(reason) > DLQ_REASON_CHARS or len(headers) > DLQ_HEADERS

@@ -70,6 +70,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     recorder_ack_wait_s: float = 30.0
     envhost_max_concurrency: int = 16  # user env calls running at once (threads)
     envhost_episode_ttl_s: float = 600.0  # an episode untouched this long is dropped
+    # the rollout's wait for one env step's reply (a user's step may run tools or a
+    # verifier); a step past it fails its episode with the reason
+    env_step_timeout_s: float = 120.0
     # JetStream limits (schemas.subjects.STREAM_LIMITS) scaled for this deployment: every
     # stream's max_bytes and max_age times these; set them alike for every service
     stream_max_bytes_scale: float = 1.0
@@ -205,6 +208,21 @@ def local_stack() -> dict[str, Any]:
         if isinstance(stack, dict):
             return stack
     return {}
+
+
+def default_api_key() -> str:
+    """$OPENTINKER_API_KEY, else the file named by $OPENTINKER_API_KEY_FILE, else the
+    local stack's admin key (`<home>/admin.key`, written by `opentinker up`), else ""."""
+    if os.environ.get("OPENTINKER_API_KEY"):
+        return os.environ["OPENTINKER_API_KEY"]
+    p = Path(os.environ.get("OPENTINKER_API_KEY_FILE") or Path(default_home()) / "admin.key")
+    return p.read_text().strip() if p.is_file() else ""
+
+
+def default_api_url(url: str | None = None) -> str:
+    """`url`, else $OPENTINKER_API_URL, else the local `opentinker up` stack's REST API,
+    else "" (none known)."""
+    return (url or os.environ.get("OPENTINKER_API_URL") or local_stack().get("api_url") or "").rstrip("/")
 
 
 def default_nats_url(url: str | None = None) -> str:

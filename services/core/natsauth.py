@@ -50,6 +50,9 @@ import nacl.signing
 import nacl.utils
 import nkeys
 
+from opentinker.schemas import env as S_ENV
+from opentinker.schemas import subjects as S
+
 log = logging.getLogger("opentinker.natsauth")
 
 CALLOUT_SUBJECT = "$SYS.REQ.USER.AUTH"
@@ -62,6 +65,9 @@ SYSTEM_ACCOUNT = "SYS"         # the system account (connection listing and kick
 JOB_STREAM_EXPORT = "ot.job.>"  # what TENANTS sees of OT: job subjects, filtered per user
 USER_JWT_TTL_S = 3600          # a user connection re-authenticates this often
 GRANT_FINISHED_S = 3600.0      # finished jobs stay in a new grant this long
+TENANT_ENV_EXPORT = S.TENANT_ENVS + ".>"  # what OT reaches of TENANTS: users' own envhosts
+RESPONSE_TTL_S = 180.0         # a user's envhost may answer a request this long after it came
+TENANT_PAYLOAD_BYTES = S_ENV.ENV_REPLY_BYTES  # the largest message a user's connection may send
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 
 
@@ -221,15 +227,21 @@ def decode_jwt(token: str) -> dict[str, Any]:
     return claims
 
 
-def user_permissions(job_ids: Iterable[str] | None) -> dict[str, Any]:
+def user_permissions(job_ids: Iterable[str] | None, user: str = "") -> dict[str, Any]:
     """The publish/subscribe permissions of a user's connection: subscribe to the
-    subjects of `job_ids` (None: every job, for an admin), publish nothing (a user talks
-    to the services over the REST API; the bus is read-only for tenants)."""
+    subjects of `job_ids` (None: every job, for an admin) and to the user's own env
+    namespace `ot.env.user.<user>.>` (an envhost the user runs); publish nothing but
+    one reply to each request the connection received, within RESPONSE_TTL_S (NATS's
+    response permission, "allow_responses"). A user submits and cancels over the REST
+    API; the only thing a user's connection can send is an env reply, and only as an
+    answer to a service's request."""
     jobs = ["*"] if job_ids is None else sorted(set(job_ids))
+    allow = [f"ot.job.{j}.>" for j in jobs] + ([S.tenant_envs(user)] if user else [])
     # an empty allow list would mean "no restriction" to nats-server: a user with no
-    # jobs yet is denied every subscription instead
-    sub = {"allow": [f"ot.job.{j}.>" for j in jobs]} if jobs else {"deny": [">"]}
-    return {"pub": {"deny": [">"]}, "sub": sub}
+    # jobs yet (and no name) is denied every subscription instead
+    sub = {"allow": allow} if allow else {"deny": [">"]}
+    return {"pub": {"deny": [">"]}, "sub": sub,
+            "resp": {"max": 1, "ttl": int(RESPONSE_TTL_S * 1e9)}}
 
 
 def connection_name(user: str, key_id: str) -> str:
@@ -240,10 +252,12 @@ def connection_name(user: str, key_id: str) -> str:
 
 def user_claims(user_nkey: str, name: str, permissions: dict[str, Any], now: float | None = None) -> dict[str, Any]:
     """The claims of a user JWT placing the connection in TENANT_ACCOUNT (in a
-    config-mode server the JWT's `aud` names the account) with `permissions`."""
+    config-mode server the JWT's `aud` names the account) with `permissions`; the
+    connection may send messages of at most TENANT_PAYLOAD_BYTES (its env replies)."""
     now = time.time() if now is None else now
     return {"sub": user_nkey, "name": name, "aud": TENANT_ACCOUNT, "exp": int(now + USER_JWT_TTL_S),
-            "nats": {**permissions, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2}}
+            "nats": {**permissions, "subs": -1, "data": -1, "payload": TENANT_PAYLOAD_BYTES, "type": "user",
+                     "version": 2}}
 
 
 def response_claims(user_nkey: str, server_id: str, user_jwt: str = "", error: str = "") -> dict[str, Any]:
@@ -301,7 +315,7 @@ class AuthCallout:
         except PermissionError as e:
             log.warning("NATS connection from %s refused: %s", client, e)
             return encode_jwt(response_claims(user_nkey, server_id, error=str(e)), self.issuer)
-        user_jwt = encode_jwt(user_claims(user_nkey, connection_name(name, kid), user_permissions(jobs)),
+        user_jwt = encode_jwt(user_claims(user_nkey, connection_name(name, kid), user_permissions(jobs, name)),
                               self.issuer)
         return encode_jwt(response_claims(user_nkey, server_id, user_jwt=user_jwt), self.issuer)
 
@@ -393,9 +407,11 @@ def server_auth_config(service_nkey: str, issuer: str, xkey: str, system_nkey: s
         "accounts {\n"
         f"  {ACCOUNT}: {{\n    jetstream: enabled\n"
         f'    users: [ {{ nkey: "{service_nkey}" }} ]\n'
-        f'    exports: [ {{ stream: "{JOB_STREAM_EXPORT}" }} ]\n  }}\n'
+        f'    exports: [ {{ stream: "{JOB_STREAM_EXPORT}" }} ]\n'
+        f'    imports: [ {{ service: {{ account: {TENANT_ACCOUNT}, subject: "{TENANT_ENV_EXPORT}" }} }} ]\n  }}\n'
         f"  {TENANT_ACCOUNT}: {{\n"
-        f'    imports: [ {{ stream: {{ account: {ACCOUNT}, subject: "{JOB_STREAM_EXPORT}" }} }} ]\n  }}\n'
+        f'    imports: [ {{ stream: {{ account: {ACCOUNT}, subject: "{JOB_STREAM_EXPORT}" }} }} ]\n'
+        f'    exports: [ {{ service: "{TENANT_ENV_EXPORT}" }} ]\n  }}\n'
         f'  {SYSTEM_ACCOUNT}: {{\n    users: [ {{ nkey: "{system_nkey}" }} ]\n  }}\n'
         "}\n"
         f"system_account: {SYSTEM_ACCOUNT}\n"

@@ -30,11 +30,11 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from opentinker.schemas import decode, encode
 from opentinker.schemas import subjects as S
-from opentinker.schemas.users import ApiKey, Role, User
+from opentinker.schemas.users import USER_NAME_RE, ApiKey, Role, User
 from opentinker.services.core.bus import Bus
 
 log = logging.getLogger("opentinker.users")
-USER_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+USER_RE = USER_NAME_RE
 KEY_PREFIX = "otk-"
 MIN_KEY_CHARS = 32
 VERIFIED_TTL_S = 300.0

@@ -21,7 +21,9 @@ Writes: the replies; `ot.dlq.envhost` for undecodable requests (no reply).
 
 Run: `opentinker envhost [--env module:Class | --env path/file.py:Class | --env arith | --env verifiers:ENV_ID |
 --env openenv:module:Class | --env openenv+http://host:port ...]
-[--env-path DIR] [--name NAME] [KEY=VALUE ...]`, or `python -m opentinker.services.envhost`.
+[--env-path DIR] [--name NAME] [--as-user] [KEY=VALUE ...]`, or `python -m opentinker.services.envhost`.
+With `--as-user` (or no service credentials and $OPENTINKER_API_URL set) it serves as the
+API key's user, to that user's own jobs only (tenant.py).
 With no `--env` it serves every built-in env (registry.py: arith, gsm8k, guess-number,
 code-math, gomoku, bandit, gomoku-duel, negotiation, alfworld, ...).
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -44,25 +47,31 @@ from functools import partial
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 
 from opentinker.schemas import (
     AgentOpening,
     EnvCloseRequest,
+    EnvInfoReply,
+    EnvInfoRequest,
     EnvInitReply,
     EnvInitRequest,
     EnvResetReply,
     EnvResetRequest,
     EnvStepReply,
+    EnvServed,
     EnvStepRequest,
+    encode,
 )
 from opentinker.schemas import subjects as S
+from opentinker.schemas.env import check_env_reply
 from opentinker.schemas.job import ENV_NAME_RE
 from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.environment.images import check_images
 from opentinker.environment.multi_agent import MultiAgentGame, PhaseResult
 from opentinker.services.core.bus import Bus
-from opentinker.services.core.config import Settings
+from opentinker.services.core.config import Settings, default_nats_url, service_credentials
 from opentinker.services.core.runner import run_service
 from opentinker.services.envhost.loader import EnvLoadError, load_envs
 
@@ -211,8 +220,15 @@ class EnvHost:
     """The episodes this process holds, and the request handlers that act on them."""
 
     def __init__(self, envs: dict[str, type[AbstractGame]], host_id: str,
-                 max_concurrency: int, episode_ttl_s: float):
+                 max_concurrency: int, episode_ttl_s: float, owner: str = "",
+                 max_reply_bytes: int = 0):
+        """`owner`: "" for the operator's envhost, else the user whose own envs these
+        are (its subjects are then under ot.env.user.<owner>.). `max_reply_bytes`: the
+        largest reply the connection may send (0: no limit); a larger one, or one over
+        schemas.env's limits, is answered with an `error` naming the field instead."""
         self.envs = envs
+        self.owner = owner
+        self.max_reply_bytes = max_reply_bytes
         self.host_id = host_id
         self.episode_ttl_s = episode_ttl_s
         self.episodes: dict[tuple[str, str], Episode] = {}  # (job id, episode id) -> its game
@@ -229,6 +245,24 @@ class EnvHost:
 
     def _mismatch(self, name: str, req_env: str) -> str:
         return f"env: the request names {req_env!r} but was sent to env {name!r}"
+
+    async def info(self, name: str, req: EnvInfoRequest, m: Msg) -> EnvInfoReply:
+        return EnvInfoReply(env=name, host_id=self.host_id if req.env == name else "",
+                            multi_agent=issubclass(self.envs[name], MultiAgentGame))
+
+    def bounded(self, reply: Any, episode: tuple[str, str] | None = None) -> Any:
+        """`reply`, or a reply of its type with only an `error` (and done) when it is over
+        schemas.env's limits or the connection's payload limit: the rollout would refuse
+        it, and the env's author reads here why. The episode, if any, is dropped."""
+        why = check_env_reply(reply)
+        if not why and self.max_reply_bytes and len(encode(reply)) > self.max_reply_bytes - 4096:
+            why = f"the reply is {len(encode(reply))} bytes, over the limit of {self.max_reply_bytes - 4096}"
+        if not why:
+            return reply
+        log.warning("env reply refused (episode %r): %s", episode and episode[1], why)
+        if episode is not None:
+            self.episodes.pop(episode, None)
+        return type(reply)(error=f"env reply over a limit: {why}")
 
     async def init(self, name: str, req: EnvInitRequest, m: Msg) -> EnvInitReply:
         if req.env != name:
@@ -251,12 +285,13 @@ class EnvHost:
                 images = await self._user(opening_images, game)
         except Exception as e:  # user code
             return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
+        key = (req.job_id, req.episode_id)
         if isinstance(game, MultiAgentGame):
-            self.episodes[(req.job_id, req.episode_id)] = Episode(name, game, time.monotonic(), acting=acting)
-            return EnvResetReply(host_id=self.host_id, agents=openings, acting=acting)
-        self.episodes[(req.job_id, req.episode_id)] = Episode(name, game, time.monotonic())
-        return EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user, tools=tools,
-                             images=images)
+            self.episodes[key] = Episode(name, game, time.monotonic(), acting=acting)
+            return self.bounded(EnvResetReply(host_id=self.host_id, agents=openings, acting=acting), key)
+        self.episodes[key] = Episode(name, game, time.monotonic())
+        return self.bounded(EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user,
+                                          tools=tools, images=images), key)
 
     async def step(self, req: EnvStepRequest, m: Msg) -> EnvStepReply:
         key = (req.job_id, req.episode_id)
@@ -279,7 +314,7 @@ class EnvHost:
             ep.last_used = time.monotonic()
         if reply.done:
             self.episodes.pop(key, None)
-        return reply
+        return self.bounded(reply, key)
 
     async def close(self, req: EnvCloseRequest, m: Msg) -> EnvStepReply:
         self.episodes.pop((req.job_id, req.episode_id), None)
@@ -312,6 +347,38 @@ def new_host_id(worker_id: str = "") -> str:
     return f"envhost-{secrets.token_hex(6)}"
 
 
+async def serve_envs(bus: Bus, host: EnvHost) -> list[Any]:
+    """Subscribe `host`'s handlers: init, reset and info of each env (queue groups), and
+    the host's own step and close, under the operator's ot.env. or, for a user's own
+    host, ot.env.user.<owner>.; returns the subscriptions, live on the server."""
+    serve = partial(bus.serve_concurrently, max_in_flight=4 * host._pool._max_workers)
+    subs = []
+    for name in host.envs:
+        group = S.env_queue_group(name)
+        subs.append(await serve(S.env_init(name, host.owner), EnvInitRequest, partial(host.init, name), queue=group))
+        subs.append(await serve(S.env_reset(name, host.owner), EnvResetRequest, partial(host.reset, name),
+                                queue=group))
+        subs.append(await serve(S.env_info(name, host.owner), EnvInfoRequest, partial(host.info, name), queue=group))
+    subs.append(await serve(S.env_step(host.host_id, host.owner), EnvStepRequest, host.step))
+    subs.append(await serve(S.env_close(host.host_id, host.owner), EnvCloseRequest, host.close))
+    await bus.nc.flush()  # subscriptions are live on the server before we say so
+    return subs
+
+
+async def hold(host: EnvHost, subs: list[Any], stop: asyncio.Event) -> None:
+    """Sweep idle episodes until `stop` is set; then unsubscribe and stop user calls."""
+    sweep_every_s = min(30.0, max(0.5, host.episode_ttl_s / 4))
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), sweep_every_s)
+        except TimeoutError:
+            host.sweep()
+    for sub in subs:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+    host.shutdown()
+
+
 async def body(settings: Settings, bus: Bus, stop: asyncio.Event,
                envs: dict[str, type[AbstractGame]]) -> None:
     # Built-in envs find their data under OPENTINKER_HOME; `home` may have come from
@@ -319,26 +386,14 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event,
     os.environ["OPENTINKER_HOME"] = settings.home
     n = settings.envhost_max_concurrency
     host = EnvHost(envs, new_host_id(settings.worker_id), n, settings.envhost_episode_ttl_s)
-    serve = partial(bus.serve_concurrently, max_in_flight=4 * n)
-    subs = []
-    for name in envs:
-        group = S.env_queue_group(name)
-        subs.append(await serve(S.env_init(name), EnvInitRequest, partial(host.init, name), queue=group))
-        subs.append(await serve(S.env_reset(name), EnvResetRequest, partial(host.reset, name), queue=group))
-    subs.append(await serve(S.env_step(host.host_id), EnvStepRequest, host.step))
-    subs.append(await serve(S.env_close(host.host_id), EnvCloseRequest, host.close))
-    await bus.nc.flush()  # subscriptions are live on the server before we say so
+    subs = await serve_envs(bus, host)
+    catalog = await bus.kv(S.KV_ENVS)
+    for name in envs:  # the operator's catalog: what a job may name (the scheduler checks)
+        await bus._retry("env catalog", catalog.put, name,
+                         encode(EnvServed(env=name, host_id=host.host_id, time_s=time.time())))
     log.info("envhost %s (%s pid %d) serving %s", host.host_id, socket.gethostname(), os.getpid(),
              ", ".join(envs))
-    sweep_every_s = min(30.0, max(0.5, settings.envhost_episode_ttl_s / 4))
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), sweep_every_s)
-        except TimeoutError:
-            host.sweep()
-    for sub in subs:
-        await sub.unsubscribe()
-    host.shutdown()
+    await hold(host, subs, stop)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -354,9 +409,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--env-path", action="append", default=[], metavar="DIR",
                    help="extra folder to import --env modules from (repeatable)")
     p.add_argument("--name", help="serve a single --env under this name instead of its get_interaction_name()")
+    p.add_argument("--as-user", action="store_true",
+                   help="serve as the API key's user, to that user's own jobs only (the default when "
+                        "there are no service credentials and OPENTINKER_API_URL is set)")
     args, rest = p.parse_known_args(argv)
     try:
         envs = load_envs(args.env, args.env_path, args.name)
     except EnvLoadError as e:
         p.error(str(e))
+    if args.as_user or tenant_by_default():
+        from opentinker.services.envhost.tenant import run_cli
+
+        run_cli(envs, rest)
+        return
     run_service("envhost", partial(body, envs=envs), rest)
+
+
+def tenant_by_default() -> bool:
+    """Whether `opentinker envhost` serves as a user: no service credentials for the
+    NATS URL (no $NATS_NKEY, $NATS_CREDS or local stack), and a REST API to learn the
+    API key's user from ($OPENTINKER_API_URL)."""
+    return not service_credentials(default_nats_url(os.environ.get("NATS_URL"))) and bool(
+        os.environ.get("OPENTINKER_API_URL"))

@@ -217,8 +217,9 @@ class JobRun(RunLifecycle):
             await held.msg.ack()
         attempt = self.ledger.attempt(step, i)
         if attempt >= MAX_ATTEMPTS:
-            raise RuntimeError(f"group {rid}: {MAX_ATTEMPTS} attempts dropped, the last as {why}; "
-                               "is the rollout side sampling an old policy, failing, or sending bad trajectories?")
+            raise RuntimeError(f"group {rid} of env {self.spec.env!r}: {MAX_ATTEMPTS} attempts dropped, the last "
+                               f"as {why}; is the env failing or stalling, or the rollout side sampling an old "
+                               "policy, failing, or sending bad trajectories?")
         if why == "stale":
             self.stats.dropped_stale += 1
         elif why.startswith("timeout"):

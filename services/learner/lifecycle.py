@@ -185,6 +185,12 @@ class RunLifecycle:
         scratch_root.mkdir(parents=True, exist_ok=True)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"learner-{self.job_id}-", dir=scratch_root))
         self.events_sub = await self.bus.nc.subscribe(self.subject("events"), cb=self.on_event)
+        await self.bus.nc.flush()
+        # a cancel published between the assignment and the subscription is not missed
+        why = await self.not_runnable() if self.attempt else ""
+        if why:
+            log.info("job %s %s before its run began: stopping", self.job_id, why)
+            self.cancelled.set()
         await self.announce(JobState.RUNNING)
         self.tenant = await access.tenant_of_job(self.bus, self.job_id)
         self.model_ref = access.check_model_ref(self.spec.model, **self.tenant.rules(self.settings.home))

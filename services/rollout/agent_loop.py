@@ -32,6 +32,7 @@ with either engine and the NATS env client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -319,7 +320,8 @@ class AgentLoop:
 
     async def run(self, requests: Sequence[RolloutRequest], policy_version: PolicyVersion,
                   on_group_done: GroupDone | None = None,
-                  parents: Mapping[str, Any] | None = None) -> list[list[Trajectory]]:
+                  parents: Mapping[str, Any] | None = None,
+                  engine_lock: asyncio.Lock | None = None) -> list[list[Trajectory]]:
         """Run every request's group to the end; returns one list of `group_size`
         trajectories per request, in order.
 
@@ -331,6 +333,10 @@ class AgentLoop:
         and ack there, before slower groups finish).
         parents: request id -> the trace context its message carried (tracing.py);
         each group's span continues it, and each episode's span is the group's child.
+        engine_lock: held around each round's policy load and generation only (None:
+        the caller holds the engine for the whole run); a run whose env calls are not to
+        be trusted to return soon (a tenant's own envhost) so never holds an engine that
+        other jobs share while it waits on the env.
         Env failures end the affected episodes with `error` set; engine errors raise.
         """
         groups = []
@@ -367,8 +373,9 @@ class AgentLoop:
                 by_policy.setdefault(e.policy_of, []).append(e)
             done: list[tuple[_Episode, GenOut, int, float]] = []
             for of, part in sorted(by_policy.items()):
-                version = await (policy_version(of) if of else policy_version())
-                outs, gen_ms = await self._generate(part, version)
+                async with engine_lock or contextlib.nullcontext():
+                    version = await (policy_version(of) if of else policy_version())
+                    outs, gen_ms = await self._generate(part, version)
                 done += [(e, o, version, gen_ms) for e, o in zip(part, outs)]
             phases: dict[int, tuple[Game, dict[str, tuple[GenOut, int]], float]] = {}
             for e, o, version, gen_ms in done:

@@ -2,8 +2,12 @@
 
 Calls (core request/reply, no stream): ot.env.<env>.init and ot.env.<env>.reset go to
 any envhost serving the env; ot.env.host.<host>.step and ot.env.host.<host>.close go to
-the host holding the episode's game (the host_id its reset replied with). Transport
-failures become agent_loop.EnvError, which ends that episode with the reason.
+the host holding the episode's game (the host_id its reset replied with). A job whose
+record names an `env_owner` (the user's own envhost, services/envhost/tenant.py) sends
+the same calls under ot.env.user.<owner>. instead, and nowhere else. Transport failures,
+replies that do not decode and replies over schemas.env's limits (check_env_reply: text
+sizes, seats, tools, images, a reward that is not finite) become agent_loop.EnvError,
+which ends that episode with the reason.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from opentinker.schemas import (
     encode,
 )
 from opentinker.schemas import subjects as S
+from opentinker.schemas.env import check_env_reply
 from opentinker.services.core.bus import Bus
 from opentinker.services.rollout.agent_loop import EnvError
 
@@ -44,9 +49,22 @@ class NatsEnvClient:
     host holding the episode's game; if that host is gone, so is the game, and the
     episode ends with the error."""
 
-    def __init__(self, bus: Bus, setup_retry_s: float = 0.0):
+    def __init__(self, bus: Bus, setup_retry_s: float = 0.0, owner: str = "",
+                 step_timeout_s: float = ENV_STEP_TIMEOUT_S):
         self.bus = bus
         self.setup_retry_s = setup_retry_s
+        self.owner = owner  # "" = the operator's envs; else the user whose own envhosts serve
+        self.step_timeout_s = step_timeout_s
+
+    def for_owner(self, owner: str) -> NatsEnvClient:
+        """This client, sending to `owner`'s own envhosts ("" = the operator's)."""
+        if owner == self.owner:
+            return self
+        return NatsEnvClient(self.bus, self.setup_retry_s, S.check_user(owner) if owner else "",
+                             self.step_timeout_s)
+
+    def _whose(self) -> str:
+        return f"user {self.owner!r}'s own envhost" if self.owner else "the operator's envhost"
 
     async def _request(self, subject: str, msg: msgspec.Struct, kind: type, timeout_s: float,
                        retry_s: float = 0.0):
@@ -56,14 +74,18 @@ class NatsEnvClient:
                     wait=tenacity.wait_exponential_jitter(multiplier=0.5, max=5.0, jitter=0.5),
                     stop=tenacity.stop_after_delay(retry_s), reraise=True):
                 with attempt:
-                    return await self.bus.request(subject, msg, kind, timeout_s=timeout_s)
+                    reply = await self.bus.request(subject, msg, kind, timeout_s=timeout_s)
+                    why = check_env_reply(reply)
+                    if why:
+                        raise EnvError(f"{kind.__name__} on {subject} refused ({self._whose()}): {why}")
+                    return reply
         except nats.errors.NoRespondersError:
             raise EnvError(f"no env host serves {subject}"
                            + (f" (waited {retry_s:g} s for one)" if retry_s else "")) from None
         except nats.errors.TimeoutError:
-            raise EnvError(f"no reply on {subject} within {timeout_s:g} s") from None
+            raise EnvError(f"no reply on {subject} within {timeout_s:g} s ({self._whose()})") from None
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise EnvError(f"unreadable {kind.__name__} on {subject}: {e}") from None
+            raise EnvError(f"unreadable {kind.__name__} on {subject} ({self._whose()}): {e}") from None
 
     @staticmethod
     def _host(host_id: str) -> str:
@@ -72,19 +94,20 @@ class NatsEnvClient:
         return host_id
 
     async def init(self, req: EnvInitRequest) -> EnvInitReply:
-        return await self._request(S.env_init(req.env), req, EnvInitReply, ENV_SETUP_TIMEOUT_S,
+        return await self._request(S.env_init(req.env, self.owner), req, EnvInitReply, ENV_SETUP_TIMEOUT_S,
                                    self.setup_retry_s)
 
     async def reset(self, req: EnvResetRequest) -> EnvResetReply:
-        return await self._request(S.env_reset(req.env), req, EnvResetReply, ENV_SETUP_TIMEOUT_S,
+        return await self._request(S.env_reset(req.env, self.owner), req, EnvResetReply, ENV_SETUP_TIMEOUT_S,
                                    self.setup_retry_s)
 
     async def step(self, host_id: str, req: EnvStepRequest) -> EnvStepReply:
-        return await self._request(S.env_step(self._host(host_id)), req, EnvStepReply, ENV_STEP_TIMEOUT_S)
+        return await self._request(S.env_step(self._host(host_id), self.owner), req, EnvStepReply,
+                                   self.step_timeout_s)
 
     async def close(self, host_id: str, req: EnvCloseRequest) -> None:
         try:
-            await self.bus.nc.request(S.env_close(self._host(host_id)), encode(req),
+            await self.bus.nc.request(S.env_close(self._host(host_id), self.owner), encode(req),
                                       timeout=ENV_CLOSE_TIMEOUT_S, headers=self.bus.headers(req, None, None))
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as e:
             raise EnvError(f"close on {host_id}: {e!r}") from None

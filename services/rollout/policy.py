@@ -114,6 +114,7 @@ class EngineSlot:
         self.lock = asyncio.Lock()
         self.adapters: dict[str, str] = {}  # job -> its adapter folder (vLLM multi-LoRA)
         self.last_used = time.monotonic()
+        self.in_use = 0  # runs using the engine now (one that locks it per round may not hold the lock)
 
 
 class PolicyTracker:

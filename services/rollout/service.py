@@ -38,7 +38,8 @@ Writes:
                      stamped with the learner run whose weights sampled it.
   ot.dlq.rollout     undecodable or invalid requests, and requests whose weights or
                      model cannot be loaded, with the reason (and bad weight events, policy.py).
-Calls (core request/reply, env_client.py): ot.env.<env>.init / .reset,
+Calls (core request/reply, env_client.py; under ot.env.user.<owner>. for a job whose
+record names the user's own envhost as `env_owner`): ot.env.<env>.init / .reset,
 ot.env.host.<host>.step / .close.
 
 Run: `python -m opentinker.services.rollout [engine=auto|vllm|hf] [device=auto|cpu|cuda]
@@ -132,17 +133,23 @@ class RolloutWorker:
         self.device = settings.device if settings.device != "auto" else (
             "cuda" if torch.cuda.is_available() else "cpu")
         self.seed = zlib.crc32(self.worker.encode())
-        self.env = NatsEnvClient(bus, setup_retry_s=ENV_SETUP_RETRY_S)
+        self.env = NatsEnvClient(bus, setup_retry_s=ENV_SETUP_RETRY_S, step_timeout_s=settings.env_step_timeout_s)
         self.engines: dict[tuple[str, str, str], EngineSlot] = {}
         # job id -> its learner `dtype`, read from the job record at admission: a CPU
         # sampler's "auto" precision follows it (resolve_sampler_dtype)
         self.learner_dtype: dict[str, str] = {}
+        # job id -> whose envhosts serve its env (JobRecord.env_owner: "" = the operator's)
+        self.env_owner: dict[str, str] = {}
+        self.detached: set[asyncio.Task] = set()  # parts of jobs on a user's own envhost (_detach)
         self.policies = PolicyTracker(bus, Path(settings.home) / "cache" / "adapters")
 
     async def start(self) -> None:
         await self.policies.start()
 
     async def close(self) -> None:
+        for task in list(self.detached):
+            task.cancel()
+        await asyncio.gather(*self.detached, return_exceptions=True)
         await self.policies.close()
         for slot in self.engines.values():
             slot.executor.shutdown(wait=False, cancel_futures=True)
@@ -195,7 +202,7 @@ class RolloutWorker:
         """Drop least recently used idle engines until at most `keep` remain: a worker
         holds at most `rollout_slots` jobs, so it never needs more engines than that,
         and a model no placed job uses must not hold memory forever."""
-        idle = sorted((k for k, slot in self.engines.items() if not slot.lock.locked()),
+        idle = sorted((k for k, slot in self.engines.items() if not slot.lock.locked() and not slot.in_use),
                       key=lambda k: self.engines[k].last_used)
         while len(self.engines) > max(keep, 0) and idle:
             key = idle.pop(0)
@@ -244,6 +251,7 @@ class RolloutWorker:
         rec = got[0]
         if rec.state.terminal:
             self.learner_dtype.pop(req.job_id, None)
+            self.env_owner.pop(req.job_id, None)
             return "skip", f"job {req.job_id} is {rec.state.value}"
         if req.attempt != rec.attempt:
             return "skip", f"attempt {req.attempt} is past (the job is at attempt {rec.attempt})"
@@ -257,6 +265,7 @@ class RolloutWorker:
             return "refuse", (f"`sampler_dtype`: {req.sampler_dtype!r} is not job {req.job_id}'s "
                               f"sampler_dtype {rec.spec.sampler_dtype!r}")
         self.learner_dtype[req.job_id] = rec.spec.dtype
+        self.env_owner[req.job_id] = rec.env_owner
         return "serve", ""
 
     async def handle(self, msgs: list[Msg]) -> None:
@@ -293,6 +302,12 @@ class RolloutWorker:
             seen.add((req.job_id, req.request_id))
             pending[id(m)] = m
             parts.setdefault((req.model, req.engine, req.job_id, req.policy_run), []).append((req, m))
+        for key in [k for k in parts if self.env_owner.get(k[2], "")]:
+            # a job on a user's own envhost runs beside this batch, not in it: its env
+            # may stall up to env_step_timeout_s a turn, and must not hold up the
+            # worker's other jobs
+            items = parts.pop(key)
+            self._detach(items, {id(m): pending.pop(id(m)) for _, m in items})
         if not parts:
             return
         beat = asyncio.create_task(self._heartbeat(pending))
@@ -306,6 +321,29 @@ class RolloutWorker:
             for m in pending.values():
                 with contextlib.suppress(nats.errors.Error):
                     await m.nak(delay=1.0)
+
+    def _detach(self, items: list[tuple[RolloutRequest, Msg]], pending: dict[int, Msg]) -> None:
+        """Run one job's part in a task of its own, with its own in-progress heartbeat;
+        what it leaves unfinished is naked, as `handle` does."""
+
+        async def run() -> None:
+            beat = asyncio.create_task(self._heartbeat(pending))
+            try:
+                await self._run_part(items, pending)
+            except TRANSIENT as e:
+                log.warning("job %s: serving failed on NATS (%r); its requests go back to the queue",
+                            items[0][0].job_id, e)
+            except Exception:  # as a batch's failure would: logged, and its requests back to the queue
+                log.exception("job %s: serving its requests failed", items[0][0].job_id)
+            finally:
+                beat.cancel()
+                for m in pending.values():
+                    with contextlib.suppress(nats.errors.Error):
+                        await m.nak(delay=1.0)
+
+        task = asyncio.create_task(run())
+        self.detached.add(task)
+        task.add_done_callback(self.detached.discard)
 
     async def _reject(self, m: Msg, reason: str) -> None:
         await self.bus.dead_letter(m, reason)
@@ -355,12 +393,17 @@ class RolloutWorker:
             await m.ack()
             pending.pop(id(m), None)
 
-        loop = AgentLoop(slot.engine, self.env, worker=self.worker, executor=slot.executor)
+        owner = self.env_owner.get(job_id, "")
+        loop = AgentLoop(slot.engine, self.env.for_owner(owner), worker=self.worker, executor=slot.executor)
         t0 = time.perf_counter()
+        slot.in_use += 1
         try:
-            async with slot.lock:
+            # a user's own envhost is untrusted: while the run waits on it, the engine
+            # other jobs share is not held (locked per generation round instead)
+            async with contextlib.nullcontext() if owner else slot.lock:
                 await loop.run(reqs, policy_version, publish,
-                               parents={r.request_id: tracing.extract(m.headers) for r, m in items})
+                               parents={r.request_id: tracing.extract(m.headers) for r, m in items},
+                               engine_lock=slot.lock if owner else None)
         except WeightsError as e:
             for _, m in items:
                 if pending.pop(id(m), None) is not None:
@@ -369,6 +412,8 @@ class RolloutWorker:
         except WeightsUnavailable as e:
             log.warning("%s; the requests go back to the queue", e)
             return
+        finally:
+            slot.in_use -= 1
         n = sum(r.group_size for r in reqs)
         log.info("job %s: %d groups, %d episodes in %.1f s", job_id, len(reqs), n, time.perf_counter() - t0)
 

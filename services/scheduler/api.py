@@ -9,7 +9,8 @@ answers 404, as a job that does not exist. Errors are JSON `{"detail": {"error":
 dashboard at /.
 
 Routes: GET /v1/health; POST/GET /v1/jobs; GET /v1/jobs/{id}; POST
-/v1/jobs/{id}/cancel; GET /v1/jobs/{id}/metrics, /events; GET /v1/workers; GET /v1/me;
+/v1/jobs/{id}/cancel, /complete (inference); GET /v1/jobs/{id}/metrics, /events,
+/trajectories; GET /v1/workers; GET /v1/me;
 POST/GET /v1/users (admin); POST/GET /v1/users/{name}/keys; DELETE /v1/keys/{key_id}.
 """
 
@@ -24,7 +25,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from opentinker.schemas import JobSpec, JobState, Metrics, SubmitJob
+from opentinker.schemas import JobSpec, JobState, Metrics, SubmitJob, Trajectory
+from opentinker.schemas.control import InferencePlan
 from opentinker.schemas.control import JobStateChanged
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError, spec_from_dict
@@ -52,6 +54,9 @@ class SubmitBody(BaseModel):
     kind: Literal["train", "inference"] = "train"
     policy_of: str = Field("", pattern=r"^$|" + JOB_ID_RE.pattern,
                            description="inference: serve this train job's latest policy")
+    plan: dict[str, Any] | None = Field(None, description="inference: the episodes to run (InferencePlan in "
+                                                          "schemas/control.py); the scheduler asks the placed "
+                                                          "workers for them")
 
 
 class CancelBody(BaseModel):
@@ -125,8 +130,12 @@ def make_app(sched: "Scheduler") -> FastAPI:
             spec = spec_from_dict(body.spec, body.kind)
         except SpecError as e:
             raise problem(422, str(e), f"spec.{e.field}") from None
+        try:
+            plan = msgspec.convert(body.plan, InferencePlan) if body.plan is not None else None
+        except msgspec.ValidationError as e:
+            raise problem(422, f"plan: {e}", "plan") from None
         reply = await sched.submit(SubmitJob(spec=spec, job_id=body.job_id, kind=body.kind,
-                                             policy_of=body.policy_of), user)
+                                             policy_of=body.policy_of, plan=plan), user)
         if not reply.ok:
             if reply.field.split(".")[0] in SPEC_FIELDS:  # a spec the scheduler refused (a path, say)
                 raise problem(422, reply.error, f"spec.{reply.field}")
@@ -153,6 +162,27 @@ def make_app(sched: "Scheduler") -> FastAPI:
         if not reply.ok:
             raise problem(409, reply.error, "job_id")
         return {"job_id": job_id, "state": reply.state}
+
+    @app.post("/v1/jobs/{job_id}/complete", tags=["jobs"])
+    async def complete_job(job_id: JobId, user: Current) -> dict[str, Any]:
+        """End an inference job as completed (its client has what it asked for; its
+        rollout workers are free again). A train job completes when its learner ends it."""
+        rec = await own_job(job_id, user)
+        if rec.kind != "inference":
+            raise problem(409, f"job {job_id} is a train job: it completes when its learner has run its "
+                               "steps (cancel it to stop it)", "job_id")
+        reply = await sched.complete(job_id, user)
+        if not reply.ok:
+            raise problem(409, reply.error, "job_id")
+        return {"job_id": job_id, "state": reply.state}
+
+    @app.get("/v1/jobs/{job_id}/trajectories", tags=["jobs"])
+    async def job_trajectories(job_id: JobId, user: Current,
+                               limit: Annotated[int, Query(ge=1, le=10_000)] = 1_000) -> list[dict[str, Any]]:
+        """The job's episodes (Trajectory: token ids, loss mask, logprobs, turns,
+        reward), oldest first, at most `limit`."""
+        await own_job(job_id, user)
+        return [as_json(t) for t in await sched.bus.read_subject(S.job(job_id, "traj"), Trajectory, limit)]
 
     @app.get("/v1/jobs/{job_id}/metrics", tags=["jobs"])
     async def job_metrics(job_id: JobId, user: Current,

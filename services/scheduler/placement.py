@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from opentinker.schemas import JobRecord
+from opentinker.schemas import JobRecord, RolloutRequest
 from opentinker.schemas.pool import Placement, WorkerInfo
+from opentinker.schemas.stats import derived_seed
 
 
 @dataclass(frozen=True)
@@ -144,3 +145,19 @@ def plan(queued: list[JobRecord], active: list[JobRecord], live: dict[str, Worke
         load.add(rec, p)
         out.append((rec, p))
     return out
+
+
+def inference_requests(rec: JobRecord, p: Placement) -> list[RolloutRequest]:
+    """The rollout requests of an inference job's plan (JobRecord.plan), at placement
+    `p`: group g of `episodes // group_size` is `<job>-g<g>`, seeded
+    derived_seed("infer", seed, g) as sdk/infer.py does, sampled by the plan's policy
+    version (1: the trained job's policy the scheduler re-announced; 0: the base model)."""
+    plan, spec = rec.plan, rec.spec
+    assert plan is not None
+    return [RolloutRequest(job_id=rec.job_id, request_id=f"{rec.job_id}-g{g}", step=0, group_index=g,
+                           group_seed=derived_seed("infer", plan.seed, g), policy_version=plan.policy_version,
+                           model=spec.model, sampler_dtype=spec.sampler_dtype,
+                           env=spec.env, env_args=dict(spec.env_args), group_size=plan.group_size,
+                           sampling=plan.sampling, engine=spec.engine, split=plan.split, purpose="inference",
+                           agents=plan.agents, attempt=p.attempt)
+            for g in range(plan.episodes // plan.group_size)]

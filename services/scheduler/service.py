@@ -58,7 +58,7 @@ from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import live_workers
 from opentinker.services.core.runner import run_service
 from opentinker.schemas.users import User
-from opentinker.services.scheduler.placement import Quota, holders, lost_workers, plan, without_lost_rollout
+from opentinker.services.scheduler.placement import inference_requests, Quota, holders, lost_workers, plan, without_lost_rollout
 from opentinker.services.core.users import AuthError, Users
 
 log = logging.getLogger("opentinker.scheduler")
@@ -228,11 +228,13 @@ class Scheduler:
 
     async def submit(self, cmd: SubmitJob, user: User) -> SubmitReply:
         """Record a checked job as QUEUED (placement follows). Refuses, naming the field:
-        a path in the spec outside the user's own area (access.check_spec_paths), a
+        a path in the spec outside the user's own area (access.check_spec_paths), an env
+        served neither by the user's own envhost nor the operator's (envs.py), a
         tinker_init save of another user's job, an opponent that is not the user's job of
         the same model, more than `max_unfinished_jobs_per_user` unfinished jobs, a taken
         job id."""
         from opentinker.services.core.access import check_model_ref, confine_path
+        from opentinker.services.scheduler.envs import resolve_env_owner
 
         every = [r for r, _ in await self.records(every_pool=True)]
         mine = [r for r in every if r.user == user.name]
@@ -254,6 +256,7 @@ class Scheduler:
                 if models[other] != changes["model"]:
                     raise SpecError("opponents", f"seat {seat!r}: job {other!r} trains {models[other]!r}, "
                                                  f"this job {changes['model']!r}: a seat's policy must be of the same model")
+            env_owner = await resolve_env_owner(self.bus, cmd.spec, cmd.kind, user.name)
         except SpecError as e:
             return SubmitReply(ok=False, error=str(e), field=e.field)
         cmd = msgspec.structs.replace(cmd, spec=msgspec.structs.replace(cmd.spec, **changes))
@@ -268,12 +271,16 @@ class Scheduler:
         token = ""
         if cmd.kind == "inference":
             token = "otj-" + secrets.token_urlsafe(32)
-        elif cmd.policy_of:
-            return SubmitReply(ok=False, error="only an inference job serves another job's policy",
-                               field="policy_of")
+        elif cmd.policy_of or cmd.plan:
+            field = "policy_of" if cmd.policy_of else "plan"
+            return SubmitReply(ok=False, error=f"only an inference job takes `{field}`", field=field)
+        if cmd.plan and cmd.plan.episodes % cmd.plan.group_size:
+            return SubmitReply(ok=False, field="plan", error=f"episodes ({cmd.plan.episodes}) must be a multiple "
+                                                            f"of group_size ({cmd.plan.group_size})")
         rec = JobRecord(job_id=job_id, spec=cmd.spec, state=JobState.QUEUED, created_s=now,
                         updated_s=now, history=[f"{now:.3f} queued"], kind=cmd.kind, user=user.name,
-                        pool=self.pool,
+                        pool=self.pool, env_owner=env_owner,
+                        plan=cmd.plan and msgspec.structs.replace(cmd.plan, policy_version=int(bool(cmd.policy_of))),
                         endpoint_token_sha256=hashlib.sha256(token.encode()).hexdigest() if token else "")
         policy = None
         if cmd.policy_of:
@@ -315,8 +322,10 @@ class Scheduler:
             return CancelReply(ok=False, error=e.reason)
         return await self.cancel(cmd.job_id, cmd.reason, user)
 
-    async def cancel(self, job_id: str, reason: str, user: User) -> CancelReply:
-        """Cancel a job of `user` (any job, for an admin)."""
+    async def cancel(self, job_id: str, reason: str, user: User,
+                     state: JobState = JobState.CANCELLED) -> CancelReply:
+        """Cancel a job of `user` (any job, for an admin); with `state` COMPLETED, end an
+        inference job its client is done with (the API's /complete)."""
         async with self.lock:
             got = await self.record(job_id)
             if got is None or not visible(got[0], user):
@@ -325,7 +334,7 @@ class Scheduler:
             if rec.state.terminal:
                 return CancelReply(ok=False, state=rec.state.value,
                                    error=f"job {job_id} already {rec.state.value}")
-            rec = with_state(rec, JobState.CANCELLED, reason)
+            rec = with_state(rec, state, reason)
             try:
                 await self.put(rec, rev)
             except Conflict:
@@ -334,6 +343,10 @@ class Scheduler:
         await self.bus.purge_subject(S.STREAM_ROLLOUT, S.rollout_all(job_id))
         self.wake.set()
         return CancelReply(ok=True, state=rec.state.value)
+
+    async def complete(self, job_id: str, user: User) -> CancelReply:
+        """End inference job `job_id` of `user` as COMPLETED (its workers are free)."""
+        return await self.cancel(job_id, "completed by its client", user, JobState.COMPLETED)
 
     async def on_event(self, ev: JobStateChanged, m: Msg) -> None:
         """Fold a learner's (or inference client's) report into the job record. A
@@ -446,6 +459,10 @@ class Scheduler:
                                    JobAssigned(job_id=rec.job_id, spec=rec.spec, attempt=p.attempt,
                                                rollout_workers=list(p.rollout)),
                                    msg_id=f"assign-{rec.job_id}-a{p.attempt}")
+        if rec.kind == "inference" and rec.plan is not None and p.rollout:
+            for req in inference_requests(rec, p):
+                await self.bus.publish(S.rollout(rec.job_id, p.rollout[req.group_index % len(p.rollout)]), req,
+                                       msg_id=f"{req.request_id}-a{p.attempt}")
         await self.announce(rec)
         log.info("job %s placed on %s (attempt %d)", rec.job_id, where, p.attempt)
 

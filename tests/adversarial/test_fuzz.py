@@ -4,12 +4,12 @@ while a job trains:
 
 - 1,000 as a tenant (bob's API key) on every subject a tenant might try: the services'
   command subjects, job subjects (his own and alice's), KV and JetStream API subjects,
-  environment subjects. A tenant may publish nothing, so each must be refused by
+  environment subjects (the operator's, alice's own, his own), a made-up reply subject. A tenant may publish nothing, so each must be refused by
   nats-server (one "Permissions Violation" each).
 - 9,000 as a service (the service nkey: a buggy or compromised service) on every subject
   a service consumes: job commands, learner assignments, job events, rollout requests,
-  trajectories, weight events, metrics, environment RPC and the auth callout (whose
-  subject nats-server itself refuses to every client). Each must be refused (a publish
+  trajectories, weight events, metrics, environment RPC (the operator's `info` included)
+  and the auth callout (whose subject nats-server itself refuses to every client). Each must be refused (a publish
   error, an error reply) or dead-lettered by a consumer with the reason; none may crash
   a service or touch the job that trains meanwhile.
 
@@ -20,6 +20,7 @@ so the accounting is per message. The counts are printed (run with -s to see the
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from typing import Any
@@ -31,7 +32,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from opentinker.schemas import (
-    CancelJob, CancelReply, EnvCloseRequest, EnvInitReply, EnvInitRequest, EnvResetReply, EnvResetRequest,
+    CancelJob, CancelReply, EnvCloseRequest, EnvInfoReply, EnvInfoRequest, EnvInitReply, EnvInitRequest,
+    EnvResetReply, EnvResetRequest,
     EnvStepReply, EnvStepRequest, JobAssigned, JobSpec, JobState, JobStateChanged, Metrics, RolloutRequest,
     SubmitJob, SubmitReply, Trajectory, TurnRecord, WeightsPublished, decode,
 )
@@ -70,14 +72,16 @@ TEMPLATES: dict[str, msgspec.Struct] = {
     "env_reset": EnvResetRequest(env="arith", episode_id="fz-e", job_id="fz-template"),
     "env_step": EnvStepRequest(episode_id="fz-nope", action="1", job_id="fz-template"),
     "env_close": EnvCloseRequest(episode_id="fz-nope", job_id="fz-template"),
+    "env_info": EnvInfoRequest(env="arith"),
     "callout": None,
 }
 REPLY_TYPES = {"submit": SubmitReply, "cancel": CancelReply, "env_init": EnvInitReply,
-               "env_reset": EnvResetReply, "env_step": EnvStepReply, "env_close": EnvStepReply}
+               "env_reset": EnvResetReply, "env_step": EnvStepReply, "env_close": EnvStepReply,
+               "env_info": EnvInfoReply}
 # messages per kind sent as a service (9,000 in all)
-COUNTS = {"submit": 700, "cancel": 700, "assign": 700, "events": 1000, "rollout": 1000, "traj": 1300,
+COUNTS = {"submit": 700, "cancel": 700, "assign": 700, "events": 1000, "rollout": 1000, "traj": 1000,
           "weights": 800, "metrics": 1000, "env_init": 400, "env_reset": 400, "env_step": 400,
-          "env_close": 400, "callout": 200}
+          "env_close": 400, "env_info": 300, "callout": 200}
 assert sum(COUNTS.values()) == 9_000
 
 EDGE_INTS = [-1, -(2**31), -(2**63), 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1]
@@ -137,7 +141,7 @@ def bad_payload(draw, kind: str) -> bytes:
             field = draw(st.sampled_from(required))
             return msgspec.msgpack.encode({k: v for k, v in base.items() if k != field})
     if how == "mismatch" and "job_id" in base and kind not in ("submit", "cancel", "env_init", "env_reset",
-                                                                 "env_step", "env_close"):
+                                                                 "env_step", "env_close", "env_info"):
         # well formed, but naming a job its subject does not
         return msgspec.msgpack.encode({**base, "job_id": draw(st.sampled_from(["fz-other", "alice-x", "a"]))})
     if how == "huge":
@@ -175,7 +179,7 @@ def subject_of(kind: str, i: int, host_id: str) -> str:
             "events": S.job(job, "events"), "rollout": S.rollout(job, ROLLOUT), "traj": S.job(job, "traj"),
             "weights": S.job(job, "weights"), "metrics": S.job(job, "metrics"),
             "env_init": S.env_init("arith"), "env_reset": S.env_reset("arith"), "env_step": S.env_step(host_id),
-            "env_close": S.env_close(host_id), "callout": CALLOUT_SUBJECT}[kind]
+            "env_close": S.env_close(host_id), "env_info": S.env_info("arith"), "callout": CALLOUT_SUBJECT}[kind]
 
 
 async def test_ten_thousand_bad_messages_crash_nothing_and_are_each_refused_or_dead_lettered(world):
@@ -193,7 +197,11 @@ async def test_ten_thousand_bad_messages_crash_nothing_and_are_each_refused_or_d
     user_msgs = draw_all(st.tuples(st.sampled_from([
         S.SUBMIT, S.CANCEL, S.job("fz-bob", "events"), S.rollout(world.a_job, ROLLOUT), S.job(world.a_job, "traj"),
         "$KV.ot_users.bob", "$JS.API.STREAM.LIST", S.env_reset("arith"), S.assign_learner(LEARNER),
-        CALLOUT_SUBJECT, "ot.dlq.scheduler"]), st.one_of(*(bad_payload(k) for k in TEMPLATES))), N_USER)
+        CALLOUT_SUBJECT, "ot.dlq.scheduler",
+        # the users' own env namespaces: a tenant may answer requests there, never send one,
+        # nor make up a reply subject
+        S.env_init("mygame", "alice"), S.env_info("mygame", "bob"), S.env_step("h1", "bob"), "_R_.FUZZ.x"]),
+        st.one_of(*(bad_payload(k) for k in TEMPLATES))), N_USER)
     service_msgs = [(kind, payload) for kind, n in COUNTS.items() for payload in draw_all(bad_payload(kind), n)]
     # and past the server's max_payload (8 MB): refused before it leaves the client
     big = b"\x92" + b"\xff" * (8 * 1024 * 1024 + 1)
@@ -282,7 +290,8 @@ async def test_ten_thousand_bad_messages_crash_nothing_and_are_each_refused_or_d
         except (msgspec.MsgspecError, KeyError):
             accepted.append((n, kind, data[:200]))
             continue
-        if getattr(reply, "ok", False) or (hasattr(reply, "error") and not reply.error and kind != "env_close"):
+        if getattr(reply, "ok", False) or (hasattr(reply, "error") and not reply.error and kind != "env_close") \
+                or getattr(reply, "host_id", "") and kind == "env_info":
             accepted.append((n, kind, reply))
         outcome.setdefault(n, "refused: error reply")
     for n in lettered:
@@ -305,4 +314,86 @@ async def test_ten_thousand_bad_messages_crash_nothing_and_are_each_refused_or_d
     assert rec.state == JobState.COMPLETED, (rec.reason, world.services.logs())
     steps = sorted(m.step for m in await svc.read_subject(S.job(job.id, "metrics"), Metrics) if m.split == "train")
     assert steps == list(range(6)), steps
+    assert all(code is None for code in world.alive().values()), (world.alive(), world.services.logs())
+
+
+# -- the replies of a tenant's own envhost: untrusted input to the rollout ----------------
+
+REPLY_TEMPLATES = {"init": EnvInitReply(state={"a": 1, "b": 2}),
+                   "reset": EnvResetReply(host_id="bob-fz", system_prompt="Add.", user_message="1 + 2?"),
+                   "step": EnvStepReply(observation="", reward=1.0, done=True, info={"correct": True})}
+
+
+@st.composite
+def bad_reply(draw, kind: str) -> bytes:
+    """One reply of a hostile env to a `kind` request: malformed, of the wrong types,
+    over schemas.env's limits, or (1 in 8) well formed, so episodes reach later calls."""
+    base = msgspec.to_builtins(REPLY_TEMPLATES[kind])
+    how = draw(st.sampled_from(["ok", "bytes", "junk", "wrong_type", "edge", "edge", "limit", "limit"]))
+    if how == "ok":
+        return msgspec.msgpack.encode(base)
+    if how == "bytes":
+        return draw(st.binary(max_size=2000))
+    if how == "junk":
+        return msgspec.msgpack.encode(draw(junk))
+    if how == "wrong_type":
+        field = draw(st.sampled_from(sorted(base)))
+        return msgspec.msgpack.encode({**base, field: draw(st.one_of(st.just([1]), st.just({"x": 1}), st.just(7)))})
+    if how == "edge":  # values no column holds, NaN and infinities
+        field, value = draw(st.sampled_from([("reward", float("nan")), ("reward", float("inf")), ("reward", 2**64),
+                                             ("done", 1), ("schema_version", -1), ("host_id", "a.b"),
+                                             ("host_id", "x" * 300), ("state", {"a": float("nan")}),
+                                             ("info", {"a": [2**63]})]))
+        return msgspec.msgpack.encode({**base, field: value})
+    field, value = draw(st.sampled_from([  # over schemas.env's limits, within the payload limit
+        ("observation", "x" * 300_000), ("system_prompt", "y" * 300_000), ("user_message", "z" * 300_000),
+        ("tools", [{"name": "t"}] * 100), ("images", [b"\x89PNG"] * 20), ("info", {"k": "v" * 70_000}),
+        ("observations", {f"s{i}": "" for i in range(40)}), ("rewards", {"s": float("nan")})]))
+    return msgspec.msgpack.encode({**base, field: value})
+
+
+async def test_bad_replies_of_a_tenants_own_env_fail_only_its_episodes_and_crash_nothing(world):
+    """Bob's envhost (written by hand against the bus) answers every request of his job
+    with a drawn reply; each episode ends with a reason or a finite reward, his job ends,
+    and no service exits."""
+    replies = {k: draw_all(bad_reply(k), 300) for k in REPLY_TEMPLATES}
+    counter = Counter()
+    errors: list[str] = []
+
+    async def on_error(e):
+        errors.append(str(e))
+
+    nc = await nats.connect(world.server.url, token=world.bob_key, error_cb=on_error, max_reconnect_attempts=-1)
+
+    def answer(kind: str):
+        async def cb(m) -> None:
+            payload = replies[kind][counter[kind] % len(replies[kind])]
+            counter[kind] += 1
+            await m.respond(payload)
+        return cb
+
+    async def info(m) -> None:
+        await m.respond(msgspec.msgpack.encode(msgspec.to_builtins(EnvInfoReply(env="fuzzenv", host_id="bob-fz"))))
+
+    for subject, cb in ((S.env_info("fuzzenv", "bob"), info), (S.env_init("fuzzenv", "bob"), answer("init")),
+                        (S.env_reset("fuzzenv", "bob"), answer("reset")),
+                        (S.env_step("bob-fz", "bob"), answer("step"))):
+        await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    try:
+        job = await world.bob.submit({"name": "bob-fuzzenv", "model": world.tiny_model, "env": "fuzzenv",
+                                      "engine": "hf", "steps": 3, "prompts_per_step": 4, "group_size": 2,
+                                      "lora_rank": 4, "checkpoint_every": 100, "micro_batch_size": 4,
+                                      "rollout_timeout_s": 4, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
+        rec = await job.wait(timeout_s=600, raise_on_failure=False)
+    finally:
+        await nc.close()
+    trajs = await world.service.read_subject(S.job(job.id, "traj"), Trajectory)
+    print(f"\nreply fuzz: {dict(counter)} replies sent; {len(trajs)} episodes, "
+          f"{sum(bool(t.error) for t in trajs)} ended with a reason; job {rec.state.value}: {rec.reason[:200]}")
+    assert rec.state in (JobState.COMPLETED, JobState.FAILED), rec
+    assert rec.state == JobState.COMPLETED or "attempts" in rec.reason, rec.reason
+    assert sum(counter.values()) > 50 and trajs
+    assert all(t.error or math.isfinite(t.reward) for t in trajs)
+    assert any("over the limit" in t.error for t in trajs) and any("unreadable" in t.error for t in trajs)
     assert all(code is None for code in world.alive().values()), (world.alive(), world.services.logs())

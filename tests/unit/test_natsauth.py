@@ -30,13 +30,16 @@ def test_a_jwt_round_trips_and_a_tampered_one_is_refused():
         A.decode_jwt("not-a-jwt")
 
 
-def test_a_user_may_subscribe_to_their_own_jobs_only_and_publish_nothing():
-    perms = A.user_permissions(["job-a", "job-b"])
-    assert perms["sub"]["allow"] == ["ot.job.job-a.>", "ot.job.job-b.>"]
-    assert perms["pub"] == {"deny": [">"]}  # the bus is read-only for a tenant
-    assert A.user_permissions(None)["sub"]["allow"] == ["ot.job.*.>"]  # an admin
-    # no jobs yet: not an empty allow list (nats-server reads that as "anything")
-    assert A.user_permissions([]) == {"pub": {"deny": [">"]}, "sub": {"deny": [">"]}}
+def test_a_user_may_subscribe_to_their_own_jobs_and_env_namespace_only_and_publish_only_replies():
+    perms = A.user_permissions(["job-a", "job-b"], "alice")
+    assert perms["sub"]["allow"] == ["ot.job.job-a.>", "ot.job.job-b.>", "ot.env.user.alice.>"]
+    assert perms["pub"] == {"deny": [">"]}  # no publish but a reply to a request it received:
+    assert perms["resp"] == {"max": 1, "ttl": int(A.RESPONSE_TTL_S * 1e9)}  # one each (ns)
+    assert A.user_permissions(None, "root")["sub"]["allow"] == ["ot.job.*.>", "ot.env.user.root.>"]  # an admin
+    # no jobs and no name: not an empty allow list (nats-server reads that as "anything")
+    assert A.user_permissions([])["sub"] == {"deny": [">"]}
+    with pytest.raises(ValueError):
+        A.user_permissions([], "a.b")  # a name that is not one subject token
 
 
 def test_xkeys_seal_and_open_as_nkeys_xkv1_and_refuse_tampering():
@@ -59,7 +62,12 @@ def test_the_server_config_separates_services_tenants_and_the_system_account():
     assert 'OT: {\n    jetstream: enabled\n    users: [ { nkey: "USVC" } ]' in conf
     assert 'exports: [ { stream: "ot.job.>" } ]' in conf
     assert 'TENANTS: {\n    imports: [ { stream: { account: OT, subject: "ot.job.>" } } ]' in conf
-    assert "service:" not in conf  # tenants import no service: nothing a user sends reaches OT
+    # the services reach the users' own envhosts (a service import of TENANTS' export);
+    # TENANTS imports no service: nothing a user sends reaches OT but a reply
+    assert 'imports: [ { service: { account: TENANTS, subject: "ot.env.user.>" } } ]' in conf
+    assert 'exports: [ { service: "ot.env.user.>" } ]' in conf
+    tenants = conf[conf.index("TENANTS: {"):conf.index("SYS: {")]
+    assert "imports: [ { service" not in tenants
     assert 'xkey: "XKEY"' in conf and 'auth_users: [ "USVC", "USYS" ]' in conf
     assert "system_account: SYS" in conf
 
@@ -81,7 +89,9 @@ async def test_the_callout_answers_with_a_signed_grant_or_the_reason():
     assert ok["sub"] == user_nkey and ok["aud"] == server.public_key.decode()
     user = A.decode_jwt(ok["nats"]["jwt"])
     assert user["sub"] == user_nkey and user["aud"] == A.TENANT_ACCOUNT and user["name"] == "alice/k1"
-    assert user["nats"]["sub"]["allow"] == ["ot.job.job-a.>"] and user["nats"]["pub"] == {"deny": [">"]}
+    assert user["nats"]["sub"]["allow"] == ["ot.job.job-a.>", "ot.env.user.alice.>"]
+    assert user["nats"]["pub"] == {"deny": [">"]} and user["nats"]["resp"]["max"] == 1
+    assert user["nats"]["payload"] == A.TENANT_PAYLOAD_BYTES
     assert user["exp"] - user["iat"] == A.USER_JWT_TTL_S
 
     for token, reason in (("otk-bad", "wrong API key"), (None, "no API key")):
