@@ -7,6 +7,14 @@
                    render_state_for_prompt, get_user_message_with_state,
                    get_interaction_name, get_state, parse_action, get_tools) and StepResult
 
+Beside it, upstream OpenTinker's client-side modules at its import paths (imported
+only when asked for):
+
+    base_game_environment.py  GameEnvironment: a game (and its dataset) served from the
+                              caller's process as the user's own env
+    inference_pipeline.py     run_inference: a game against an OpenAI-compatible endpoint
+    static_data_generator.py  dataset rows (Parquet, JSON(L)) as prompts and reset kwargs
+
 Imports only the standard library: part of the client install, so an environment is
 written and tried on a laptop without torch.
 """

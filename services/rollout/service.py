@@ -141,6 +141,7 @@ class RolloutWorker:
         # job id -> whose envhosts serve its env (JobRecord.env_owner: "" = the operator's)
         self.env_owner: dict[str, str] = {}
         self.detached: set[asyncio.Task] = set()  # parts of jobs on a user's own envhost (_detach)
+        self.engine_lock = asyncio.Lock()
         self.policies = PolicyTracker(bus, Path(settings.home) / "cache" / "adapters")
 
     async def start(self) -> None:
@@ -166,6 +167,13 @@ class RolloutWorker:
         `sampler_dtype` ("auto", "float32", "bfloat16"; "auto" follows the job's
         `learner_dtype` on a CPU, resolve_sampler_dtype), created on first use. Raises
         OSError/ValueError/RuntimeError/ImportError when the model or engine cannot load."""
+        # one engine built at a time: jobs on a user's own envhost run beside the batch
+        # (_detach), and two vLLM engines started at once in one process crash it
+        async with self.engine_lock:
+            return await self._engine_for_model(model, engine, sampler_dtype, learner_dtype)
+
+    async def _engine_for_model(self, model: str, engine: str, sampler_dtype: str,
+                                learner_dtype: str) -> EngineSlot:
         model_dir = await asyncio.to_thread(resolve_model, model, self.settings.home)
         kind = pick_engine(engine, self.settings.engine, model_dir)
         chosen_for_us = engine == "auto" and self.settings.engine == "auto"

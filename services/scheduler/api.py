@@ -23,7 +23,7 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query
 from fastapi.responses import FileResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from opentinker.schemas import JobSpec, JobState, Metrics, SubmitJob, Trajectory
 from opentinker.schemas.control import InferencePlan
@@ -46,6 +46,29 @@ UserName = Annotated[str, Path(pattern=USER_RE.pattern)]
 KeyId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")]
 
 
+class SamplingBody(BaseModel):
+    """SamplingParams (schemas/job.py), as the REST API's schema states it."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, ge=0, le=10)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(32, ge=1, le=32_768)
+    max_total_tokens: int = Field(1024, ge=2, le=131_072)
+    max_turns: int = Field(1, ge=1, le=1024)
+
+
+class PlanBody(BaseModel):
+    """InferencePlan (schemas/control.py): the episodes an inference job runs."""
+
+    model_config = ConfigDict(extra="forbid")
+    episodes: int = Field(32, ge=1, le=4096)
+    group_size: int = Field(1, ge=1, le=256)
+    split: str = Field("test", pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    sampling: SamplingBody = Field(default_factory=SamplingBody)
+    agents: int = Field(1, ge=1, le=8)
+
+
 class SubmitBody(BaseModel):
     """A job to run: `spec` is a JobSpec (see schemas/job.py; unknown fields refused)."""
 
@@ -54,9 +77,8 @@ class SubmitBody(BaseModel):
     kind: Literal["train", "inference"] = "train"
     policy_of: str = Field("", pattern=r"^$|" + JOB_ID_RE.pattern,
                            description="inference: serve this train job's latest policy")
-    plan: dict[str, Any] | None = Field(None, description="inference: the episodes to run (InferencePlan in "
-                                                          "schemas/control.py); the scheduler asks the placed "
-                                                          "workers for them")
+    plan: PlanBody | None = Field(None, description="inference: the episodes to run; the scheduler asks the "
+                                                    "placed workers for them")
 
 
 class CancelBody(BaseModel):
@@ -131,7 +153,7 @@ def make_app(sched: "Scheduler") -> FastAPI:
         except SpecError as e:
             raise problem(422, str(e), f"spec.{e.field}") from None
         try:
-            plan = msgspec.convert(body.plan, InferencePlan) if body.plan is not None else None
+            plan = msgspec.convert(body.plan.model_dump(), InferencePlan) if body.plan is not None else None
         except msgspec.ValidationError as e:
             raise problem(422, f"plan: {e}", "plan") from None
         reply = await sched.submit(SubmitJob(spec=spec, job_id=body.job_id, kind=body.kind,

@@ -4,6 +4,7 @@ OpenAPI spec (schemathesis)."""
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -155,7 +156,10 @@ async def fuzz(services, tmp_path) -> None:
     out = await asyncio.to_thread(subprocess.run, cmd, env=env, capture_output=True, text=True, timeout=540,
                                   cwd=tmp_path)  # its cache stays out of the repo
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:] + services.logs()
-    assert "Tested: 14" in out.stdout and "No issues found" in out.stdout, out.stdout
+    # every generated case passed (schemathesis may warn that most generated jobs are
+    # refused: their `env` names no env anyone serves, which the scheduler checks)
+    counts = re.search(r"(\d+) generated, (\d+) passed", out.stdout)
+    assert "Tested: 16" in out.stdout and counts and counts[1] == counts[2], out.stdout
     # the key reached the handlers: the fuzzer made users and jobs
     bus = await Bus.connect(services.nats_url, "test")
     try:
