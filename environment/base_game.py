@@ -141,3 +141,26 @@ class AbstractGame:
     def rng(seed: Any) -> random.Random:
         """A private random generator for `seed` (an int or a string)."""
         return random.Random(seed)
+
+
+def opening(game: AbstractGame, state: dict[str, Any]) -> tuple[str, str]:
+    """Reset `game` to `state` and return its episode's (system prompt, first user
+    message), as OpenTinker builds its prompts: the class's own
+    `get_user_message_with_state(**state)` when it overrides that (or
+    `render_state_for_prompt`), asked before `reset`; else the initial user message and
+    `reset`'s observation, a blank line between, either one alone when the other is
+    empty. The envhost (training) and `run_inference` (the client) both open episodes
+    with it, so a policy sees the same prompts in both."""
+    cls = type(game)
+    custom = any(getattr(cls, m) is not getattr(AbstractGame, m)
+                 for m in ("get_user_message_with_state", "render_state_for_prompt"))
+    user = game.get_user_message_with_state(**state) if custom else ""
+    obs = game.reset(**state)
+    system = game.get_system_prompt()
+    if not custom:
+        try:
+            first = game.get_initial_user_message()
+        except NotImplementedError:
+            first = ""
+        user = "\n\n".join(str(x) for x in (first, obs) if x)
+    return str(system or ""), str(user or "")

@@ -32,7 +32,7 @@ from uuid import uuid4
 
 from rich.progress import track
 
-from opentinker.environment.base_game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult, opening
 from opentinker.environment.static_data_generator import StaticDatasetGenerator
 
 # job id -> (base URL, bearer token, model) of the inference endpoints this process
@@ -73,10 +73,6 @@ class InferenceResult:
                 "ground_truth": self.ground_truth, "info": self.info, "messages": self.messages}
 
 
-def _overrides(cls: type, method: str) -> bool:
-    return getattr(cls, method, None) is not getattr(AbstractGame, method, None)
-
-
 def game_initial_state(game: AbstractGame, seed: int, split: str = INFER_SPLIT) -> dict[str, Any]:
     """The state for `reset`: `generate_initial_state(seed=, split=)` when it takes a
     seed, else Python's `random` seeded with `seed` and the argument-free call (as the
@@ -98,17 +94,7 @@ def game_opening(game: AbstractGame, state: dict[str, Any]) -> tuple[str, str]:
     envhost builds them for training (services/envhost/service.py `open_episode`): the
     class's own `get_user_message_with_state` (asked before `reset`), else the initial
     user message and the first observation."""
-    cls = type(game)
-    custom = _overrides(cls, "get_user_message_with_state") or _overrides(cls, "render_state_for_prompt")
-    user = game.get_user_message_with_state(**state) if custom else ""
-    obs = game.reset(**state)
-    if not custom:
-        try:
-            first = game.get_initial_user_message()
-        except NotImplementedError:
-            first = ""
-        user = "\n\n".join(str(x) for x in (first, obs) if x)
-    return str(game.get_system_prompt() or ""), str(user or "")
+    return opening(game, state)
 
 
 def generate_samples(game_class: type[AbstractGame], num_samples: int, seed: int = 42,

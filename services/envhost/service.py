@@ -67,7 +67,7 @@ from opentinker.schemas import (
 from opentinker.schemas import subjects as S
 from opentinker.schemas.env import check_env_reply
 from opentinker.schemas.job import ENV_NAME_RE
-from opentinker.environment.base_game import AbstractGame, StepResult
+from opentinker.environment.base_game import AbstractGame, StepResult, opening
 from opentinker.environment.images import check_images
 from opentinker.environment.multi_agent import MultiAgentGame, PhaseResult
 from opentinker.services.core.bus import Bus
@@ -108,10 +108,6 @@ def plain(obj: Any) -> Any:
     return msgspec.to_builtins(obj, enc_hook=fallback, str_keys=True)
 
 
-def _overrides(cls: type[AbstractGame], method: str) -> bool:
-    return getattr(cls, method) is not getattr(AbstractGame, method)
-
-
 def open_episode(cls: type[AbstractGame], env_args: dict[str, Any],
                  state: dict[str, Any]) -> tuple[AbstractGame, str, str, list[dict[str, Any]]]:
     """Construct the game and reset it. Returns (game, system_prompt, user_message,
@@ -120,20 +116,11 @@ def open_episode(cls: type[AbstractGame], env_args: dict[str, Any],
     builds its prompts; else the initial user message and the first observation, either
     one alone when the other is empty (OpenTinker's default rendering)."""
     game = cls(**env_args)
-    custom = _overrides(cls, "get_user_message_with_state") or _overrides(cls, "render_state_for_prompt")
-    user = game.get_user_message_with_state(**state) if custom else ""
-    obs = game.reset(**state)
-    system = game.get_system_prompt()
-    if not custom:
-        try:
-            first = game.get_initial_user_message()
-        except NotImplementedError:
-            first = ""
-        user = "\n\n".join(str(x) for x in (first, obs) if x)
+    system, user = opening(game, state)
     tools = game.get_tools() or []
     if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
         raise TypeError("get_tools must return a list of dicts (OpenAI-style function schemas)")
-    return game, str(system or ""), str(user or ""), plain(tools)
+    return game, system, user, plain(tools)
 
 
 def opening_images(game: AbstractGame) -> list[bytes]:
