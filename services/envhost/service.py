@@ -242,8 +242,9 @@ class EnvHost:
         schemas.env's limits or the connection's payload limit: the rollout would refuse
         it, and the env's author reads here why. The episode, if any, is dropped."""
         why = check_env_reply(reply)
-        if not why and self.max_reply_bytes and len(encode(reply)) > self.max_reply_bytes - 4096:
-            why = f"the reply is {len(encode(reply))} bytes, over the limit of {self.max_reply_bytes - 4096}"
+        room = self.max_reply_bytes - 4096  # headers (trace context) travel in the same message
+        if not why and self.max_reply_bytes and (n := len(encode(reply))) > room:
+            why = f"the reply is {n} bytes, over the limit of {room}"
         if not why:
             return reply
         log.warning("env reply refused (episode %r): %s", episode and episode[1], why)
