@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import nats.errors
 
 from opentinker.environment.base_game import AbstractGame
 from opentinker.schemas.env import ENV_REPLY_BYTES
@@ -165,7 +167,10 @@ def run_cli(envs: dict[str, type[AbstractGame]], argv: list[str] | None = None) 
                     max_concurrency=settings.envhost_max_concurrency,
                     episode_ttl_s=settings.envhost_episode_ttl_s)
 
-    asyncio.run(_main())
+    try:
+        asyncio.run(_main())
+    except (PermissionError, RuntimeError, OSError, nats.errors.Error) as e:
+        sys.exit(f"opentinker envhost: {e}")
 
 
 def _explicit_url(settings: Any) -> str | None:

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
+import nats
+
+from opentinker.schemas import EnvInfoReply, EnvInfoRequest
 from opentinker.schemas import subjects as S
+from opentinker.sdk import Client
 
 from tenants import make_user
 
@@ -221,6 +225,31 @@ async def test_a_client_only_user_runs_the_seed_workflow_on_her_own_env_and_her_
     assert inf["results"] == 3 and inf["ended"] == "COMPLETED" and len(inf["rows"]) == 3, inf
     assert sorted(r["ground_truth"] for r in inf["rows"]) == ["8", "8", "9"], inf["rows"]
     assert all(r["messages"][-1]["role"] == "assistant" for r in inf["rows"]), inf["rows"][0]
+    # and `opentinker envhost` from the same client-only install, with only her key,
+    # serves a class of hers to a job of hers
+    games = ROOT / "tests" / "fixtures" / "tenant_games.py"
+    host = subprocess.Popen([str(py.parent / "opentinker"), "envhost", "--env", f"{games}:SumGame", "--name", "clisum"],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        job = None
+        for _ in range(300):
+            try:
+                job = await world.service.request(S.env_info("clisum", "dora"), EnvInfoRequest(env="clisum"),
+                                                  EnvInfoReply, timeout_s=2)
+                break
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                assert host.poll() is None, host.stdout.read().decode()[-3000:]
+                await asyncio.sleep(0.2)
+        assert job is not None, "her envhost never served"
+        async with await Client.connect(world.server.url, api_key=key, api_url=world.api_url) as dora:
+            handle = await dora.submit({"name": "cli-env", "model": world.tiny_model, "env": "clisum", "engine": "hf",
+                                        "steps": 3, "prompts_per_step": 2, "group_size": 2, "lora_rank": 4,
+                                        "micro_batch_size": 4, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
+            rec = await handle.wait(timeout_s=600, raise_on_failure=False)
+        assert rec.state.value == "completed" and rec.env_owner == "dora" and rec.step >= 2, rec
+    finally:
+        host.terminate()
+        host.wait(20)
     # her rows were read in her own process: every reward came from her MathGame there
     from opentinker.schemas import Trajectory
     trajs = await world.service.read_subject(S.job(out["sums"]["job"], "traj"), Trajectory)
