@@ -19,6 +19,7 @@ class EnvInitRequest(Message, frozen=True, kw_only=True):
     env_args: dict[str, Any] = msgspec.field(default_factory=dict)
     seed: Count = 0
     split: str = "train"
+    job_id: str = ""  # whose env_args these are: an operator's envhost confines their paths
 
 
 class EnvInitReply(Message, frozen=True, kw_only=True):

@@ -1,6 +1,7 @@
 """What a tenant's job may name: files, models and rows of the trajectory log.
 
-A tenant (a user with a valid API key) puts paths (`model`, `sft_data`) and SQL
+A tenant (a user with a valid API key) puts paths (`model`, `sft_data`, an operator's
+env's path arguments such as `env_args.data_dir`) and SQL
 (`sft_query`) in a job spec, and the services act on them with their own rights on the
 service machines. The rules here confine that:
 - files: the tenant's area `<home>/users/<user>/` (where an operator puts a tenant's
@@ -117,6 +118,36 @@ def check_spec_paths(spec: JobSpec, *, user: str, admin: bool, home: str | Path,
     check_model_ref(spec.model, user=user, admin=admin, home=home, own_jobs=own_jobs)
     if spec.sft_data:
         confine_path(spec.sft_data, field="sft_data", user=user, admin=admin, home=home, own_jobs=own_jobs)
+
+
+PATH_ARG_SUFFIXES = ("_dir", "_path", "_file", "_folder")
+
+
+def path_args(env_args: dict[str, Any]) -> list[str]:
+    """The keys of `env_args` that name a path on the envhost's machine: `path`, `dir`,
+    `file`, or a name ending in _dir, _path, _file or _folder (e.g. `data_dir`)."""
+    return sorted(k for k in env_args if k in ("path", "dir", "file") or k.endswith(PATH_ARG_SUFFIXES))
+
+
+def confine_env_args(env_args: dict[str, Any], *, user: str, admin: bool, home: str | Path,
+                     own_jobs: Iterable[str]) -> dict[str, Any]:
+    """`env_args` with every path argument (path_args) replaced by the real path it
+    names, when `user` may name it (confine_path: the user's area, their own jobs'
+    checkpoints; an admin anything). An operator's env reads such a path on a service
+    host, so it is confined like `sft_data`.
+
+    Raises SpecError("env_args.<key>", ...) for a path outside those places or a value
+    that is not a string; the message is the same whether the path exists or not."""
+    out = dict(env_args)
+    for key in path_args(env_args):
+        value = env_args[key]
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise SpecError(f"env_args.{key}", f"must be a path (a string), got {type(value).__name__}")
+        out[key] = str(confine_path(value, field=f"env_args.{key}", user=user, admin=admin, home=home,
+                                    own_jobs=own_jobs))
+    return out
 
 
 # -- who owns a job (over the bus) ----------------------------------------------

@@ -42,6 +42,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -66,10 +67,12 @@ from opentinker.schemas import (
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.env import check_env_reply
-from opentinker.schemas.job import ENV_NAME_RE
+from opentinker.schemas.job import ENV_NAME_RE, JOB_ID_RE, SpecError
 from opentinker.environment.base_game import AbstractGame, StepResult, opening
 from opentinker.environment.images import check_images
 from opentinker.environment.multi_agent import MultiAgentGame, PhaseResult
+from opentinker.services.core import access
+from opentinker.services.core.access import Tenant, path_args
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings, default_nats_url, service_credentials
 from opentinker.services.core.runner import run_service
@@ -215,6 +218,9 @@ class EnvHost:
         schemas.env's limits, is answered with an `error` naming the field instead."""
         self.envs = envs
         self.owner = owner
+        # (job id, env_args) -> env_args with their paths confined to the job owner's
+        # places (an operator's host: body() sets it; a user's own host reads its own disk)
+        self.confine: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None
         self.max_reply_bytes = max_reply_bytes
         self.host_id = host_id
         self.episode_ttl_s = episode_ttl_s
@@ -232,6 +238,11 @@ class EnvHost:
 
     def _mismatch(self, name: str, req_env: str) -> str:
         return f"env: the request names {req_env!r} but was sent to env {name!r}"
+
+    async def _confined(self, job_id: str, env_args: dict[str, Any]) -> dict[str, Any]:
+        if self.confine is None or not path_args(env_args):
+            return env_args
+        return await self.confine(job_id, env_args)
 
     async def info(self, name: str, req: EnvInfoRequest, m: Msg) -> EnvInfoReply:
         return EnvInfoReply(env=name, host_id=self.host_id if req.env == name else "",
@@ -256,7 +267,11 @@ class EnvHost:
         if req.env != name:
             return EnvInitReply(error=self._mismatch(name, req.env))
         try:
-            state = await self._user(initial_state, self.envs[name], req.env_args, req.seed, req.split)
+            env_args = await self._confined(req.job_id, req.env_args)
+        except (SpecError, ValueError) as e:
+            return EnvInitReply(error=str(e))
+        try:
+            state = await self._user(initial_state, self.envs[name], env_args, req.seed, req.split)
         except Exception as e:  # user code: any exception ends this request, not the host
             return EnvInitReply(error=self._failed("generate_initial_state", name, "", e))
         return EnvInitReply(state=state)
@@ -266,10 +281,14 @@ class EnvHost:
             return EnvResetReply(error=self._mismatch(name, req.env))
         cls = self.envs[name]
         try:
+            env_args = await self._confined(req.job_id, req.env_args)
+        except (SpecError, ValueError) as e:
+            return EnvResetReply(error=str(e))
+        try:
             if issubclass(cls, MultiAgentGame):
-                game, openings, acting = await self._user(open_multi_episode, cls, req.env_args, req.state)
+                game, openings, acting = await self._user(open_multi_episode, cls, env_args, req.state)
             else:
-                game, system, user, tools = await self._user(open_episode, cls, req.env_args, req.state)
+                game, system, user, tools = await self._user(open_episode, cls, env_args, req.state)
                 images = await self._user(opening_images, game)
         except Exception as e:  # user code
             return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
@@ -335,6 +354,25 @@ def new_host_id(worker_id: str = "") -> str:
     return f"envhost-{secrets.token_hex(6)}"
 
 
+OWNER_TTL_S = 60.0  # how long an envhost trusts what it read of a job's owner
+
+
+async def confine_for_job(bus: Bus, home: str, cache: dict[str, tuple[float, Tenant]], job_id: str,
+                          env_args: dict[str, Any]) -> dict[str, Any]:
+    """`env_args` with their path arguments confined to the places the owner of job
+    `job_id` may name (services/core/access.py), as the scheduler checked at submit.
+    Raises SpecError naming the argument, or `job_id` when the request names no job."""
+    if not JOB_ID_RE.match(job_id or ""):
+        raise SpecError("job_id", "an env request with path arguments must name its job")
+    now = time.monotonic()
+    hit = cache.get(job_id)
+    if hit is None or now - hit[0] > OWNER_TTL_S:
+        if len(cache) > 10_000:
+            cache.clear()
+        hit = cache[job_id] = (now, await access.tenant_of_job(bus, job_id))
+    return access.confine_env_args(env_args, **hit[1].rules(home))
+
+
 async def serve_envs(bus: Bus, host: EnvHost) -> list[Any]:
     """Subscribe `host`'s handlers: init, reset and info of each env (queue groups), and
     the host's own step and close, under the operator's ot.env. or, for a user's own
@@ -374,6 +412,7 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event,
     os.environ["OPENTINKER_HOME"] = settings.home
     n = settings.envhost_max_concurrency
     host = EnvHost(envs, new_host_id(settings.worker_id), n, settings.envhost_episode_ttl_s)
+    host.confine = partial(confine_for_job, bus, settings.home, {})
     subs = await serve_envs(bus, host)
     catalog = await bus.kv(S.KV_ENVS)
     for name in envs:  # the operator's catalog: what a job may name (the scheduler checks)

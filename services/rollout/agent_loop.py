@@ -429,7 +429,7 @@ class AgentLoop:
         r = g.req
         try:
             with tracing.within(g.span), tracing.span("rollout.env_init", kind=tracing.SpanKind.CLIENT):
-                init = await self.env.init(EnvInitRequest(env=r.env, env_args=r.env_args,
+                init = await self.env.init(EnvInitRequest(env=r.env, env_args=r.env_args, job_id=r.job_id,
                                                           seed=r.group_seed, split=r.split))
             error = f"env init: {init.error}" if init.error else ""
         except EnvError as e:

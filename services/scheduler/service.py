@@ -233,7 +233,7 @@ class Scheduler:
         tinker_init save of another user's job, an opponent that is not the user's job of
         the same model, more than `max_unfinished_jobs_per_user` unfinished jobs, a taken
         job id."""
-        from opentinker.services.core.access import check_model_ref, confine_path
+        from opentinker.services.core.access import check_model_ref, confine_env_args, confine_path, path_args
         from opentinker.services.scheduler.envs import resolve_env_owner
 
         every = [r for r, _ in await self.records(every_pool=True)]
@@ -257,6 +257,8 @@ class Scheduler:
                     raise SpecError("opponents", f"seat {seat!r}: job {other!r} trains {models[other]!r}, "
                                                  f"this job {changes['model']!r}: a seat's policy must be of the same model")
             env_owner = await resolve_env_owner(self.bus, cmd.spec, cmd.kind, user.name)
+            if not env_owner and path_args(cmd.spec.env_args):  # an operator's env reads them on a service host
+                changes["env_args"] = confine_env_args(cmd.spec.env_args, **rules)
         except SpecError as e:
             return SubmitReply(ok=False, error=str(e), field=e.field)
         cmd = msgspec.structs.replace(cmd, spec=msgspec.structs.replace(cmd.spec, **changes))

@@ -17,7 +17,9 @@ publish nothing) are tried with the service nkey: the services must still refuse
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 
 import msgspec
 import nats
@@ -274,6 +276,27 @@ async def test_sft_query_cannot_write_files_or_read_another_tenants_trajectories
 
 
 # -- and alice never noticed -------------------------------------------------------------
+
+
+async def test_an_operator_envs_data_dir_cannot_name_another_tenants_files(world):
+    """Tried live before the fix: as bob, a gsm8k job with `data_dir` = alice's folder
+    under <home>/users/ was accepted, completed, and trained on her only problem."""
+    from opentinker.schemas import EnvInitReply, EnvInitRequest
+
+    home = Path(os.environ["OPENTINKER_HOME"])
+    answers = []
+    for target in (home / "users" / "alice", home / "users" / "alice" / "no-such-folder", "/etc"):
+        r = await world.api.post("/v1/jobs", headers=bearer(world.bob_key),
+                                 json={"spec": {"env": "gsm8k", "env_args": {"data_dir": str(target)}}})
+        assert r.status_code == 422 and r.json()["detail"]["field"] == "spec.env_args.data_dir", r.text
+        answers.append(r.json()["detail"]["error"].replace(repr(str(target)), "<path>"))
+    assert len(set(answers)) == 1, answers  # nothing said about what exists there
+    # and a request that reached the envhost some other way (a service's) is refused there
+    job = await world.bob.submit({"name": "bob-owner", "model": world.tiny_model, "env": "arith", "steps": 1})
+    await job.cancel("only its record is needed")
+    reply = await world.service.request(S.env_init("gsm8k"), EnvInitRequest(
+        env="gsm8k", env_args={"data_dir": str(home / "users" / "alice")}, job_id=job.id), EnvInitReply)
+    assert "env_args.data_dir" in reply.error and not reply.state, reply
 
 
 async def test_zz_alice_job_completed_with_its_own_metrics_and_no_service_restarted(world):

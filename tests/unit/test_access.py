@@ -200,3 +200,46 @@ async def test_the_tenant_of_a_job(bus):
     for job in ("missing", "op"):
         op = await tenant_of_job(bus, job)
         assert op.admin and op.user == "" and op.log_jobs is None
+
+
+def test_an_operator_envs_path_arguments_are_confined_and_refused_alike_whether_they_exist_or_not(home):
+    from opentinker.services.core.access import confine_env_args, path_args
+
+    assert path_args({"data_dir": "a", "cache_path": "b", "file": "c", "size": 3, "dirt": "x"}) == [
+        "cache_path", "data_dir", "file"]
+    got = confine_env_args({"data_dir": "sums", "n": 3}, **alice(home))  # relative: from her area
+    assert got == {"data_dir": str((home / "users" / "alice" / "sums").resolve()), "n": 3}
+    assert confine_env_args({"data_dir": "/anything"}, **alice(home, admin=True))["data_dir"] == "/anything"
+    refusals = []
+    for target in (home / "users" / "bob", home / "users" / "bob" / "no-such-folder", "/etc",
+                   home / "users" / "alice" / ".." / "bob"):
+        with pytest.raises(SpecError) as e:
+            confine_env_args({"data_dir": str(target)}, **alice(home))
+        assert e.value.field == "env_args.data_dir"
+        refusals.append(str(e.value).replace(repr(str(target)), "<path>"))
+    assert len(set(refusals)) == 1, refusals  # the answer says nothing about what exists there
+    with pytest.raises(SpecError, match="must be a path"):
+        confine_env_args({"data_dir": ["/etc"]}, **alice(home))
+
+
+async def test_an_operator_envhost_refuses_a_path_argument_outside_the_jobs_owners_places(home):
+    from opentinker.schemas import EnvInitRequest, EnvResetRequest
+    from opentinker.services.core.access import confine_env_args
+    from opentinker.services.envhost.envs.arith import ArithGame
+    from opentinker.services.envhost.service import EnvHost
+
+    host = EnvHost({"arith": ArithGame}, "h1", 2, 60.0)
+
+    async def confine(job_id, env_args):
+        return confine_env_args(env_args, **alice(home))
+
+    host.confine = confine
+    try:
+        bad = {"data_dir": str(home / "users" / "bob")}
+        init = await host.init("arith", EnvInitRequest(env="arith", env_args=bad, job_id=OWN), None)
+        reset = await host.reset("arith", EnvResetRequest(env="arith", episode_id="e", job_id=OWN, env_args=bad), None)
+        for reply in (init, reset):
+            assert reply.error.startswith("`env_args.data_dir`") or "env_args.data_dir" in reply.error, reply
+        assert not host.episodes
+    finally:
+        host.shutdown()
