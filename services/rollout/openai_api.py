@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field
 from opentinker.schemas import JobRecord, SamplingParams
 from opentinker.schemas.job import JOB_ID_RE
 from opentinker.services.rollout.agent_loop import ChatRenderer
+from opentinker.services.rollout.sampling import out_of_vocab
 
 if TYPE_CHECKING:
     from opentinker.services.rollout.service import RolloutWorker
@@ -118,6 +119,9 @@ def make_app(worker: RolloutWorker) -> FastAPI:
         except (OSError, ValueError, RuntimeError, ImportError) as e:
             raise ApiError(503, f"cannot load model {rec.spec.model!r}: {e}") from None
         ids = prompt_of(slot.engine.tokenizer)
+        why = out_of_vocab(ids, slot.engine.tokenizer)
+        if why:
+            raise ApiError(400, why, "prompt")
         loop = asyncio.get_running_loop()
         async with slot.lock:
             version = await worker.policies.ensure_policy(slot, rec.job_id, 0)

@@ -5,6 +5,7 @@ its `sample` calls as TinkerSample messages on the job's rollout subject (beside
 RolloutRequests; the Ot-Schema header tells them apart). Each is served like the
 OpenAI endpoint's completions (openai_api.py): the sampling session's weights (named
 in the request; the base model without) on this worker's engine for the job's model,
+prompt token ids checked against the model's vocabulary first,
 under the engine slot's lock; `num_samples` completions
 of the raw prompt tokens, cut at the first stop token or stop string (inclusive); with
 `prompt_logprobs`, the prompt's token logprobs under the same policy. The answer,
@@ -56,9 +57,21 @@ def cut_at_stop(out: Any, req: TinkerSample, tokenizer: Any) -> SampledSequence:
                            stop_reason="stop" if out.finish_reason == "stop" else "length")
 
 
+def out_of_vocab(ids: list[int], tokenizer: Any) -> str:
+    """Why token ids `ids` may not reach the engine (the first one outside the model's
+    vocabulary, [0, len(tokenizer))), or "". An engine given such an id raises deep
+    inside (an IndexError in an embedding, vLLM's validation error)."""
+    vocab = len(tokenizer)
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    return "" if bad is None else f"token id {bad} is out of the model's vocabulary (0 to {vocab - 1})"
+
+
 def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[SampledSequence], list[float]]:
     """The completions and (when asked) prompt logprobs of `req` on `engine`. Raises
     ValueError for a prompt that leaves no room under the engine's max_model_len."""
+    why = out_of_vocab(req.tokens, engine.tokenizer)
+    if why:
+        raise ValueError(f"prompt: {why}")
     room = engine.max_model_len - len(req.tokens)
     if not req.tokens or room < 1:
         raise ValueError(f"prompt: {len(req.tokens)} tokens (1 to {engine.max_model_len - 1} on this worker)")
@@ -124,6 +137,9 @@ async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
     except (OSError, RuntimeError, ImportError, WeightsError) as e:  # the model, the engine or the weights failed
         log.exception("sample %s of job %s failed", req.seq_id, req.job_id)
         result = TinkerSamples(**answer, error=f"{type(e).__name__}: {e}", category="server")
+    except Exception as e:  # anything else the request's content set off fails that request, not the worker
+        log.exception("sample %s of job %s failed", req.seq_id, req.job_id)
+        result = TinkerSamples(**answer, error=f"{type(e).__name__}: {e}", category="user")
     finally:
         beat.cancel()
     await bus.publish(S.tinker_result(req.sampler, req.seq_id), result, msg_id=f"{req.sampler}:result{req.seq_id}")

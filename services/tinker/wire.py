@@ -15,6 +15,7 @@ served by the session's inference job `<session>-sampling`; a future's request i
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 
@@ -29,6 +30,9 @@ SAMPLER_RE = re.compile(r"^(ts-[0-9a-f]{10})-s(\d{1,6})$")
 REQUEST_RE = re.compile(r"^(ts-[0-9a-f]{10}-[ms]\d{1,6})\.(\d{1,15})$")
 PATH_RE = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$")
 MAX_TOKENS_PER_DATUM = 131_072
+# elements of one loss_fn input, declared shape included (a CSR tensor of a few bytes may
+# declare any shape, and is made dense here): 2**24 float32s are 64 MiB
+MAX_TENSOR_ELEMENTS = 2**24
 
 
 class WireError(ValueError):
@@ -136,6 +140,9 @@ def _tensor(t, name: str) -> TinkerTensor:
         raise WireError(f"{name}: unsupported dtype {t.dtype}")
     dt = kinds[t.dtype]
     shape = [int(x) for x in t.shape]
+    if any(x < 0 for x in shape) or len(shape) > 8 or math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise WireError(f"{name}: shape {shape[:8]} is over the limit of {MAX_TENSOR_ELEMENTS} elements "
+                        "(or has a negative or a ninth dimension)")
     if t.WhichOneof("encoding") == "sparse_csr":
         if len(shape) != 2:
             raise WireError(f"{name}: a sparse tensor needs a 2-D shape, got {shape}")

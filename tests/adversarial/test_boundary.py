@@ -299,6 +299,24 @@ async def test_an_operator_envs_data_dir_cannot_name_another_tenants_files(world
     assert "env_args.data_dir" in reply.error and not reply.state, reply
 
 
+async def test_a_token_id_outside_the_vocabulary_is_refused_naming_the_prompt_and_the_worker_stays(world):
+    """Tried live before the fix (Tinker's sample, issue 30): the rollout worker raised on
+    token id 60000 and exited, and crash-looped on the redelivered request."""
+    import httpx
+
+    ep = await world.bob.submit_inference_job(model=world.tiny_model, engine="hf")
+    try:
+        async with httpx.AsyncClient(base_url=ep.url, headers=bearer(ep.token), timeout=120) as http:
+            r = await http.post("/completions", json={"model": ep.model, "prompt": [1, 10**6], "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            assert "token id 1000000 is out of the model's vocabulary" in r.json()["error"]["message"], r.text
+            ok = await http.post("/completions", json={"model": ep.model, "prompt": [1, 2, 3], "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
+    finally:
+        await ep.cancel()
+    assert all(code is None for code in world.alive().values()), world.alive()
+
+
 async def test_zz_alice_job_completed_with_its_own_metrics_and_no_service_restarted(world):
     rec = await world.alice.job(world.a_job).wait(timeout_s=600, raise_on_failure=False)
     assert rec.state == JobState.COMPLETED, (rec.reason, world.services.logs())

@@ -258,12 +258,21 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
             tc.optim_step(tinker.AdamParams(learning_rate=2e-3)).result()
         # prompt logprobs and a stop token, on the base model through create_sampling_client
         base_sampler = sc.create_sampling_client(base_model=smollm2).result()
+        # a token id outside the vocabulary fails that call, naming it, and not the worker
+        # (before: the worker exited, crash-looped on the redelivery, and the SDK waited)
+        try:
+            base_sampler.sample(tinker.ModelInput.from_ints([len(tok) + 10_000]), num_samples=1,
+                                sampling_params=params).result()
+            oov = "accepted"
+        except Exception as e:  # the SDK's own error type for a failed request
+            oov = str(e)
         eos = tok.eos_token_id
         one = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=2, include_prompt_logprobs=True,
                                   sampling_params=tinker.SamplingParams(max_tokens=6, stop=[eos])).result()
-        return rewards, one, len(prompt)
+        return rewards, one, len(prompt), oov
 
-    rewards, one, n_prompt = await asyncio.to_thread(run_sdk, base, keys["alice"], loop)
+    rewards, one, n_prompt, oov = await asyncio.to_thread(run_sdk, base, keys["alice"], loop)
+    assert "out of the model's vocabulary" in oov, oov
     print(f"reward by iteration: {[round(x, 3) for x in rewards]}")
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
     assert len(one.sequences) == 2 and all(1 <= len(s.tokens) <= 6 for s in one.sequences)

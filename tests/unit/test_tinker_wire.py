@@ -57,6 +57,28 @@ def test_a_request_as_the_sdk_encodes_it_decodes_to_our_datums():
         wire.parse_forward_backward(raw)[5]
 
 
+def test_a_tensor_declaring_a_huge_shape_is_refused_before_anything_is_allocated():
+    """Before: a body of a few bytes declaring a sparse [1, 2**33] tensor made the service
+    allocate tens of GiB in its event loop (issue 30)."""
+    import resource
+
+    req = pb.ForwardBackwardRequest()
+    req.ParseFromString(body([tinker.Datum(model_input=tinker.ModelInput.from_ints([1, 2]),
+                                           loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})]))
+    for shape in ([1, 2**33], [2**20, 2**20], [-1, 4], [1] * 9):
+        w = req.data[0].loss_fn_inputs["weights"]
+        del w.shape[:]
+        w.shape.extend(shape)
+        w.ClearField("dense")
+        w.sparse_csr.values = b""
+        w.sparse_csr.crow_indices = np.zeros(2, np.int64).tobytes()
+        w.sparse_csr.col_indices = b""
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(wire.WireError, match="over the limit"):
+            wire.parse_forward_backward(req.SerializeToString())
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing large made
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda r: r.data[0].model_input.add().image.format.__class__, "image"),
     (lambda r: setattr(r, "seq_id", 0), "seq_id"),
