@@ -121,7 +121,7 @@ class RestReader(Reader):
     async def submit(self, cmd: SubmitJob) -> SubmitReply:
         """POST /v1/jobs. A refusal comes back as a SubmitReply naming the field."""
         body = {"spec": msgspec.to_builtins(cmd.spec), "job_id": cmd.job_id, "kind": cmd.kind,
-                "policy_of": cmd.policy_of, "plan": msgspec.to_builtins(cmd.plan) if cmd.plan else None}
+                "policy_of": cmd.policy_of, "plan": _plan_body(cmd.plan)}
         r = await self.http.post("/jobs", json=body)
         if r.status_code == 201:
             got = r.json()
@@ -142,6 +142,13 @@ class RestReader(Reader):
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+def _plan_body(plan: InferencePlan | None) -> dict[str, Any] | None:
+    """An InferencePlan as the REST API takes it (the scheduler sets its policy version)."""
+    if plan is None:
+        return None
+    return {k: v for k, v in msgspec.to_builtins(plan).items() if k not in ("schema_version", "policy_version")}
 
 
 def _detail(r) -> dict[str, Any]:

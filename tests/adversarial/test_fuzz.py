@@ -384,7 +384,7 @@ async def test_bad_replies_of_a_tenants_own_env_fail_only_its_episodes_and_crash
         job = await world.bob.submit({"name": "bob-fuzzenv", "model": world.tiny_model, "env": "fuzzenv",
                                       "engine": "hf", "steps": 3, "prompts_per_step": 4, "group_size": 2,
                                       "lora_rank": 4, "checkpoint_every": 100, "micro_batch_size": 4,
-                                      "rollout_timeout_s": 4, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
+                                      "rollout_timeout_s": 10, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
         rec = await job.wait(timeout_s=600, raise_on_failure=False)
     finally:
         await nc.close()

@@ -7,13 +7,14 @@ train on it. Bob can neither subscribe to her env subjects nor answer her reques
 her env gets the refusal a nonexistent env gets; his own env of that name serves his jobs
 only. A hostile env of bob's (a reply over the limits, a NaN reward, a step that never
 answers, an undecodable reply followed by a flood of valid ones, a reset naming alice's
-host) fails only bob's job, with the reasons, while alice's job on her own env completes
+host, a 100 MiB observation) fails only bob's job, with the reasons, while alice's job on her own env completes
 every step, and no service exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from tenants import user_connection
 
 pytestmark = pytest.mark.timeout(900)
 GAMES = Path(__file__).resolve().parents[1] / "fixtures" / "tenant_games.py"
-HOSTILE_MODES = ("huge", "nan", "stall", "flood", "hijack")
+HOSTILE_MODES = ("huge", "nan", "stall", "flood", "hijack", "100mib")
 TRAINED: dict[str, str] = {}  # user -> a job of theirs that trained on their own env
 
 
@@ -159,6 +160,9 @@ class HostileEnv:
         mode = self.mode_of.get(decode(m.data, EnvStepRequest).episode_id, "")
         if mode == "huge":
             await m.respond(encode(EnvStepReply(observation="x" * 300_000, reward=1.0)))
+        elif mode == "100mib":  # over the connection's payload limit: it never leaves bob's machine
+            with contextlib.suppress(nats.errors.MaxPayloadError):
+                await m.respond(encode(EnvStepReply(observation="x" * (100 * 1024 * 1024), reward=1.0)))
         elif mode == "nan":
             await m.respond(encode(EnvStepReply(reward=float("nan"))))
         elif mode == "flood":  # only the first reply reaches the rollout: the rest are refused
@@ -179,7 +183,7 @@ async def test_a_hostile_env_fails_only_its_own_job_while_alice_trains_on_her_ow
     await hostile.start()
     try:
         alice = await world.alice.submit(spec(world, "alice-own", "mygame", 3))
-        bob = await world.bob.submit(spec(world, "bob-evil", "evil", 2, prompts_per_step=5, rollout_timeout_s=4))
+        bob = await world.bob.submit(spec(world, "bob-evil", "evil", 2, prompts_per_step=6, rollout_timeout_s=4))
         assert (await alice.record()).env_owner == "alice" and (await bob.record()).env_owner == "bob"
         a_rec, b_rec = await asyncio.gather(alice.wait(timeout_s=600, raise_on_failure=False),
                                             bob.wait(timeout_s=600, raise_on_failure=False))
