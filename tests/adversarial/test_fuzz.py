@@ -393,7 +393,7 @@ async def test_bad_replies_of_a_tenants_own_env_fail_only_its_episodes_and_crash
           f"{sum(bool(t.error) for t in trajs)} ended with a reason; job {rec.state.value}: {rec.reason[:200]}")
     assert rec.state in (JobState.COMPLETED, JobState.FAILED), rec
     assert rec.state == JobState.COMPLETED or "attempts" in rec.reason, rec.reason
-    assert sum(counter.values()) > 50 and trajs
+    assert sum(counter.values()) > 30 and trajs
     assert all(t.error or math.isfinite(t.reward) for t in trajs)
     assert any("over the limit" in t.error for t in trajs) and any("unreadable" in t.error for t in trajs)
     assert all(code is None for code in world.alive().values()), (world.alive(), world.services.logs())
