@@ -7,7 +7,8 @@ record names an `env_owner` (the user's own envhost, services/envhost/tenant.py)
 the same calls under ot.env.user.<owner>. instead, and nowhere else. Transport failures,
 replies that do not decode and replies over schemas.env's limits (check_env_reply: text
 sizes, seats, tools, images, a reward that is not finite) become agent_loop.EnvError,
-which ends that episode with the reason.
+which ends that episode with the reason; such a reply is also dead-lettered
+(`ot.dlq.rollout`) with the reason, naming the field.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from opentinker.schemas import (
     EnvResetRequest,
     EnvStepReply,
     EnvStepRequest,
+    decode,
     encode,
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.env import check_env_reply
-from opentinker.services.core.bus import Bus
+from opentinker.services.core.bus import Bus, undecodable
 from opentinker.services.rollout.agent_loop import EnvError
 
 ENV_SETUP_TIMEOUT_S = 30.0
@@ -74,18 +76,24 @@ class NatsEnvClient:
                     wait=tenacity.wait_exponential_jitter(multiplier=0.5, max=5.0, jitter=0.5),
                     stop=tenacity.stop_after_delay(retry_s), reraise=True):
                 with attempt:
-                    reply = await self.bus.request(subject, msg, kind, timeout_s=timeout_s)
-                    why = check_env_reply(reply)
-                    if why:
-                        raise EnvError(f"{kind.__name__} on {subject} refused ({self._whose()}): {why}")
-                    return reply
+                    resp = await self.bus.nc.request(subject, encode(msg), timeout=timeout_s,
+                                                     headers=self.bus.headers(msg, None, None))
         except nats.errors.NoRespondersError:
             raise EnvError(f"no env host serves {subject}"
                            + (f" (waited {retry_s:g} s for one)" if retry_s else "")) from None
         except nats.errors.TimeoutError:
             raise EnvError(f"no reply on {subject} within {timeout_s:g} s ({self._whose()})") from None
+        try:
+            reply = decode(resp.data, kind)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise EnvError(f"unreadable {kind.__name__} on {subject} ({self._whose()}): {e}") from None
+            why = f"unreadable {kind.__name__} on {subject} ({self._whose()}): {undecodable(kind, e)}"
+        else:
+            why = check_env_reply(reply)
+            if not why:
+                return reply
+            why = f"{kind.__name__} on {subject} refused ({self._whose()}): {why}"
+        await self.bus.dead_letter(resp, why)  # the reply, kept with the reason for the env's author and operators
+        raise EnvError(why)
 
     @staticmethod
     def _host(host_id: str) -> str:

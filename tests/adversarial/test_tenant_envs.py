@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from pathlib import Path
 
 import msgspec
@@ -29,7 +30,7 @@ from opentinker.schemas import (
 from opentinker.schemas import subjects as S
 from opentinker.sdk.client import SpecError
 
-from tenants import user_connection
+from tenants import dead_letters, user_connection
 
 pytestmark = pytest.mark.timeout(900)
 GAMES = Path(__file__).resolve().parents[1] / "fixtures" / "tenant_games.py"
@@ -178,6 +179,7 @@ async def test_a_hostile_env_fails_only_its_own_job_while_alice_trains_on_her_ow
     async def on_error(e):
         errors.append(str(e))
 
+    since = time.time()
     nc = await nats.connect(world.server.url, token=world.bob_key, error_cb=on_error, max_reconnect_attempts=-1)
     hostile = HostileEnv(nc, "evil", alice_env)
     await hostile.start()
@@ -197,6 +199,12 @@ async def test_a_hostile_env_fails_only_its_own_job_while_alice_trains_on_her_ow
                 f"no env host serves ot.env.user.bob.host.{alice_env}.step"):
         assert any(why in e for e in failed), (why, sorted(set(failed))[:10])
     assert not any(t.reward for t in await trajectories(world, bob.id))  # no flooded reply counted
+    # the replies the rollout would not use are dead-lettered with the reason, naming the field
+    whys = ("unreadable EnvStepReply", "`reward`: nan is not a finite number", "`observation`: 300000")
+    letters = [d.reason for d in await dead_letters(
+        world.service, "rollout", since, lambda got: all(any(w in d.reason for d in got) for w in whys))]
+    for why in whys:
+        assert any(why in r and "user 'bob'" in r for r in letters), (why, letters[:5])
     assert any("permissions violation" in e.lower() for e in errors), errors  # the flood, refused
     # alice's job, on her own env the whole time, completed every step
     assert a_rec.state == JobState.COMPLETED, (a_rec.reason, world.services.logs())
