@@ -222,6 +222,7 @@ class EnvHost:
         # places (an operator's host: body() sets it; a user's own host reads its own disk)
         self.confine: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None
         self.max_reply_bytes = max_reply_bytes
+        self.max_concurrency = max_concurrency
         self.host_id = host_id
         self.episode_ttl_s = episode_ttl_s
         self.episodes: dict[tuple[str, str], Episode] = {}  # (job id, episode id) -> its game
@@ -381,7 +382,7 @@ async def serve_envs(bus: Bus, host: EnvHost) -> list[Any]:
     """Subscribe `host`'s handlers: init, reset and info of each env (queue groups), and
     the host's own step and close, under the operator's ot.env. or, for a user's own
     host, ot.env.user.<owner>.; returns the subscriptions, live on the server."""
-    serve = partial(bus.serve_concurrently, max_in_flight=4 * host._pool._max_workers)
+    serve = partial(bus.serve_concurrently, max_in_flight=4 * host.max_concurrency)
     subs = []
     for name in host.envs:
         group = S.env_queue_group(name)

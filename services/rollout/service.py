@@ -324,11 +324,15 @@ class RolloutWorker:
                 await self._run_part(items, pending)
         finally:
             beat.cancel()
-            # whatever was not finished (cancelled on shutdown, failed): another
-            # worker, or this one, takes it again now rather than after ack_wait
-            for m in pending.values():
-                with contextlib.suppress(nats.errors.Error):
-                    await m.nak(delay=1.0)
+            await self._give_back(pending)
+
+    @staticmethod
+    async def _give_back(pending: dict[int, Msg]) -> None:
+        """Nak what was not finished (cancelled on shutdown, failed): another worker, or
+        this one, takes it again now rather than after ack_wait."""
+        for m in pending.values():
+            with contextlib.suppress(nats.errors.Error):
+                await m.nak(delay=1.0)
 
     def _detach(self, items: list[tuple[RolloutRequest, Msg]], pending: dict[int, Msg]) -> None:
         """Run one job's part in a task of its own, with its own in-progress heartbeat;
@@ -345,9 +349,7 @@ class RolloutWorker:
                 log.exception("job %s: serving its requests failed", items[0][0].job_id)
             finally:
                 beat.cancel()
-                for m in pending.values():
-                    with contextlib.suppress(nats.errors.Error):
-                        await m.nak(delay=1.0)
+                await self._give_back(pending)
 
         task = asyncio.create_task(run())
         self.detached.add(task)
