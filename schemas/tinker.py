@@ -35,6 +35,13 @@ TinkerDType = Literal["float32", "int64"]
 TinkerOpKind = Literal["forward", "forward_backward", "optim_step", "save_state", "save_sampler",
                        "load_state", "close"]
 MAX_TINKER_DATUMS = 4096
+# a sample's stop conditions (OpenAI's completions take at most 4 stop sequences; these
+# are generous for Tinker's renderers, and bound the work of matching them per token)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKENS = 64
+MAX_SAMPLE_PROMPT_TOKENS = 131_072
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 # what save_state / save_weights_for_sampler names may be (a path segment, never "..")
 CHECKPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
@@ -134,7 +141,9 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     `job_id` with `weights` (a LoRA adapter; None: the base model).
 
     max_tokens: the most tokens per completion. stop_tokens / stop_strings: a completion
-    ends at the first of them (inclusive), besides the model's own end-of-sequence.
+    ends at the first of them (inclusive), besides the model's own end-of-sequence; at
+    most MAX_STOP_TOKENS ids and MAX_STOP_STRINGS strings of 1 to MAX_STOP_STRING_CHARS
+    characters (a decode error names the field otherwise).
     prompt_logprobs: also the logprob of every prompt token after the first.
     """
 
@@ -143,13 +152,15 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     seq_id: Count
     attempt: Count = 0
     weights: WeightsPublished | None = None
-    tokens: list[TokenId]
+    tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_SAMPLE_PROMPT_TOKENS)]
     num_samples: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=32_768)] = 16
     temperature: Annotated[float, msgspec.Meta(ge=0, le=10)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    stop_tokens: list[TokenId] = msgspec.field(default_factory=list)
-    stop_strings: list[str] = msgspec.field(default_factory=list)
+    stop_tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKENS)] = msgspec.field(
+        default_factory=list)
+    stop_strings: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = msgspec.field(
+        default_factory=list)
     prompt_logprobs: bool = False
 
 
@@ -197,6 +208,7 @@ class TinkerSession(Message, frozen=True, kw_only=True):
     user: str
     created_s: float = 0.0
     heartbeat_s: float = 0.0
+    active_s: float = 0.0  # its last operation or sample (unix s; written at most every ACTIVE_EVERY_S)
     finished_s: float = 0.0
     models: Count = 0
     samplers: Count = 0

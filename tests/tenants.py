@@ -25,6 +25,12 @@ ADMIN_KEY = os.environ["OPENTINKER_ADMIN_KEY"]
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 A_STEPS = 24
 MAX_UNFINISHED = 3  # the scheduler's max_unfinished_jobs_per_user in this stack
+FINISHED_KEPT = 10  # and its finished_jobs_per_user
+# the tinker service's and learners' per-user limits in this stack (Settings)
+TINKER_IDLE_S = 40
+TINKER_POLLS = 8
+TINKER_INFLIGHT_BYTES = 6 * 1024 * 1024
+STORE_BYTES = 1024 * 1024
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -38,6 +44,7 @@ class World:
     procs: dict
     api: httpx.AsyncClient
     api_url: str
+    tinker_url: str
     data_dir: Path
     tiny_model: str
     alice_key: str
@@ -69,15 +76,21 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
     data_dir = tmp / "data"
     env = {"NATS_NKEY": str(server.service_seed_file), **server.scheduler_env(),
            "OPENTINKER_DATA_DIR": str(data_dir),
-           "OPENTINKER_MAX_UNFINISHED_JOBS_PER_USER": str(MAX_UNFINISHED)}
-    port = free_port()
+           "OPENTINKER_MAX_UNFINISHED_JOBS_PER_USER": str(MAX_UNFINISHED),
+           "OPENTINKER_FINISHED_JOBS_PER_USER": str(FINISHED_KEPT),
+           "OPENTINKER_TINKER_SESSION_IDLE_S": str(TINKER_IDLE_S), "OPENTINKER_TINKER_POLLS_PER_USER": str(TINKER_POLLS),
+           "OPENTINKER_TINKER_INFLIGHT_BYTES_PER_USER": str(TINKER_INFLIGHT_BYTES),
+           "OPENTINKER_STORE_BYTES_PER_USER": str(STORE_BYTES)}
+    port, tinker_port = free_port(), free_port()
     procs = {"scheduler": services.start("scheduler", f"api_port={port}", env=env),
              "envhost": services.start("envhost", env=env),
              "recorder": services.start("recorder", "recorder_flush_s=0.5", env=env),
              "learner-1": services.start("learner", "worker_id=adv-l1", env=env),
              "learner-2": services.start("learner", "worker_id=adv-l2", env=env),
-             "rollout": services.start("rollout", "engine=hf", "worker_id=adv-r1", "env_step_timeout_s=10", env=env)}
+             "rollout": services.start("rollout", "engine=hf", "worker_id=adv-r1", "env_step_timeout_s=10", env=env),
+             "tinker": services.start("tinker", f"tinker_port={tinker_port}", env=env)}
     api_url = f"http://127.0.0.1:{port}"
+    tinker_url = f"http://127.0.0.1:{tinker_port}"
     api = httpx.AsyncClient(base_url=api_url, timeout=30)
     for _ in range(200):
         try:
@@ -86,6 +99,14 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
         except httpx.TransportError:
             pass
         await asyncio.sleep(0.2)
+    async with httpx.AsyncClient(base_url=tinker_url, timeout=5) as tinker_http:
+        for _ in range(200):
+            try:
+                if (await tinker_http.get("/api/v1/healthz")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.2)
     alice_key, bob_key = await make_user(api, "alice"), await make_user(api, "bob")
     alice = await Client.connect(server.url, api_key=alice_key, api_url=api_url)
     bob = await Client.connect(server.url, api_key=bob_key, api_url=api_url)
@@ -98,7 +119,7 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
         if (await job.record()).placement is not None:
             break
         await asyncio.sleep(0.2)
-    w = World(server, services, procs, api, api_url, data_dir, tiny_model, alice_key, bob_key, alice, bob,
+    w = World(server, services, procs, api, api_url, tinker_url, data_dir, tiny_model, alice_key, bob_key, alice, bob,
               service, job.id)
 
     async def follow() -> None:

@@ -48,12 +48,36 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_jobs_per_user: int = 4    # scheduler quota: a user's jobs placed at once
     max_workers_per_user: int = 8  # scheduler quota: workers a user's placed jobs hold
     max_unfinished_jobs_per_user: int = 32  # scheduler: queued + running jobs of one user (admins: no limit)
+    # scheduler: a finished job's record (COMPLETED, FAILED, CANCELLED), with its weights
+    # and checkpoints in the object stores, is deleted this long after its last change,
+    # and only the newest `finished_jobs_per_user` finished records of a user are kept
+    # (either 0: no such limit). Checked every minute (scheduler/retention.py). Unfinished
+    # jobs, and finished ones an unfinished job names (`tinker_init`, `opponents`), are
+    # never deleted.
+    job_retention_days: float = 30.0
+    finished_jobs_per_user: int = 200
     api_host: str = "127.0.0.1"   # the scheduler's REST API and dashboard
     api_port: int = 8470          # 0 = no REST API
     # the tinker service's Tinker API (TINKER_BASE_URL = http://<tinker_host>:<port>);
     # 0 = a free port (written to <home>/tinker.json)
     tinker_host: str = "127.0.0.1"
     tinker_port: int = 8471
+    # a Tinker session is finished (its models export and complete, its sampling job
+    # ends) after this long without an operation or sample, and this long after it began
+    tinker_session_idle_s: float = 3600.0
+    tinker_session_max_s: float = 3 * 86400.0
+    # per user, in the tinker service: futures long-polled at once (over: 429), and the
+    # operations and samples sent whose futures are not yet retrieved (count and bytes;
+    # over: 429), which bounds one user's share of the OT_TINKER and OT_ROLLOUT streams
+    tinker_polls_per_user: int = 64
+    tinker_inflight_per_user: int = 256
+    tinker_inflight_bytes_per_user: int = 32 * 1024 * 1024
+    # a learner refuses a user's tinker save_state / save_weights_for_sampler once that
+    # user's jobs' objects (stores ot_weights, ot_checkpoints) hold this many bytes
+    store_bytes_per_user: int = 4 * 1024**3
+    # scheduler: the share of the pool's learner slots one user's placed jobs may hold
+    # (at least one slot), so one user cannot hold every learner
+    learner_share_per_user: float = 0.5
     # the auth callout issuer's account nkey seed file (natsauth.py): the scheduler then
     # answers nats-server's auth callout, so users connect to NATS with their API key
     nats_callout_issuer_file: str = ""

@@ -107,6 +107,9 @@ class TrainEngine:
         self.processor = load_processor(model_path)
         model.config.use_cache = False
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        # the model's context in tokens (0: the config does not say)
+        self.max_len = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
+                                   "max_position_embeddings", 0) or 0)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
 

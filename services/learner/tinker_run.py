@@ -16,8 +16,11 @@ before acking the op:
   store `ot_checkpoints` (`<job>/named/<name>`); a load may name another job's save
   (the API service lets a user name only their own).
 - save_sampler: the weights (a peft adapter) under a name in `ot_weights`.
+  Both saves are refused (a failed op naming `store_bytes_per_user`) once the objects of
+  the user's jobs hold that many bytes; they are deleted with their job's record.
 - close (on `ot.job.<id>.ops.close`, outside the order): after the ops held in order,
-  export the policy (`<home>/checkpoints/<job>/final`) and complete.
+  export the policy (`<home>/checkpoints/<job>/final`) and complete; the job's ops are
+  then purged from OT_TINKER.
 
 A bad op (an unknown loss, a missing input, a checkpoint that does not exist) fails
 that op with category "user"; the session goes on. A session's state lives in its
@@ -34,10 +37,12 @@ import time
 import numpy as np
 import torch
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, TinkerDatum, TinkerOp, TinkerResult, TinkerTensor,
                                        sampler_object)
+from opentinker.services.core import access
 from opentinker.services.learner import checkpoint
 from opentinker.services.learner.lifecycle import RunLifecycle
 from opentinker.services.learner.tinker_losses import LossInputError, check_inputs
@@ -73,11 +78,13 @@ def to_tensor(x: torch.Tensor) -> TinkerTensor:
     return TinkerTensor(dtype="float32", shape=list(a.shape), data=a.tobytes())
 
 
-def datum_arrays(d: TinkerDatum, i: int, op: TinkerOp, vocab_size: int
+def datum_arrays(d: TinkerDatum, i: int, op: TinkerOp, vocab_size: int, max_len: int = 0
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(tokens [N], inputs) of datum `i` of `op`, checked for its loss
     (tinker_losses.check_inputs: every input [N]; 2-D targets, Tinker's top-K
-    distillation, are not served). Raises OpError or LossInputError naming the datum."""
+    distillation, are not served), its token ids against the vocabulary and N against
+    the model's context `max_len` (0: unchecked). Raises OpError or LossInputError
+    naming the datum."""
     if not d.tokens:
         raise OpError(f"data[{i}].model_input: empty")
     arrays = {k: to_numpy(v, f"data[{i}].loss_fn_inputs[{k!r}]") for k, v in d.inputs.items()}
@@ -85,6 +92,8 @@ def datum_arrays(d: TinkerDatum, i: int, op: TinkerOp, vocab_size: int
         check_inputs(op.loss_fn, arrays, len(d.tokens), dict(op.loss_fn_config))
     except LossInputError as e:
         raise LossInputError(f"data[{i}]: {e}") from None
+    if max_len and len(d.tokens) > max_len:
+        raise OpError(f"data[{i}].model_input: {len(d.tokens)} tokens, over the model's context ({max_len})")
     for name, ids in (("model_input", d.tokens), ("loss_fn_inputs['target_tokens']", arrays["target_tokens"])):
         if len(ids) and int(np.max(ids)) >= vocab_size:
             raise OpError(f"data[{i}].{name}: token id {int(np.max(ids))} is outside the vocabulary ({vocab_size})")
@@ -170,7 +179,7 @@ class TinkerRun(RunLifecycle):
     async def _execute(self, op: TinkerOp) -> TinkerResult:
         r = {"job_id": self.job_id, "seq_id": op.seq_id, "op": op.op}
         if op.op in ("forward", "forward_backward"):
-            data = [datum_arrays(d, i, op, self.engine.vocab_size) for i, d in enumerate(op.data)]
+            data = [datum_arrays(d, i, op, self.engine.vocab_size, self.engine.max_len) for i, d in enumerate(op.data)]
             lps, sums = await self.in_engine(self.engine.tinker_pass, data, op.loss_fn, dict(op.loss_fn_config),
                                              op.op == "forward_backward")
             metrics = {f"{k}:sum": v for k, v in sums.items()}
@@ -185,10 +194,13 @@ class TinkerRun(RunLifecycle):
             self.step += 1
             return TinkerResult(**r, metrics={f"{k}:mean": v for k, v in out.items()}, policy_version=self.version)
         if op.op == "save_state":
+            check_name(op.name)
+            await self.check_store_quota("save_state")
             await self.save_named(op.name)
             return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version)
         if op.op == "save_sampler":
             check_name(op.name)
+            await self.check_store_quota("save_weights_for_sampler")
             data = await self.in_engine(self.engine.weights_bytes)
             await self.bus.put_object(S.OBJ_WEIGHTS, sampler_object(self.job_id, op.name), data)
             return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version,
@@ -197,6 +209,26 @@ class TinkerRun(RunLifecycle):
             await self.load_named(op.path, op.optimizer)
             return TinkerResult(**r, path=op.path, policy_version=self.version)
         raise OpError(f"op: {op.op!r} is not served")
+
+    async def check_store_quota(self, what: str) -> None:
+        """Raises OpError when the objects of this job's user's jobs (both object stores)
+        already hold Settings.store_bytes_per_user bytes (an admin's: no limit)."""
+        tenant = self.tenant
+        if tenant.admin:
+            return
+        jobs = set(await access.jobs_of(self.bus, tenant.user)) | {self.job_id}
+        used = 0
+        for bucket in (S.OBJ_WEIGHTS, S.OBJ_CHECKPOINTS):
+            try:
+                infos = await (await self.bus.objects(bucket)).list()
+            except NotFoundError:  # an empty store
+                continue
+            used += sum(i.size or 0 for i in infos if not i.deleted and i.name.partition("/")[0] in jobs)
+        cap = self.settings.store_bytes_per_user
+        if used >= cap:
+            raise OpError(f"{what}: your jobs' saves and weights hold {used} bytes (store_bytes_per_user = {cap}); "
+                          "a finished job's are deleted with its record (job_retention_days, "
+                          "finished_jobs_per_user)")
 
     async def save_named(self, name: str) -> None:
         """Weights and optimizer state under `name` (checkpoint.object_name)."""
@@ -230,3 +262,4 @@ class TinkerRun(RunLifecycle):
 
     async def cleanup_bus(self) -> None:
         await self.bus.delete_durable(S.tinker_ops_durable(self.job_id))
+        await self.bus.purge_subject(S.STREAM_TINKER, f"ot.job.{self.job_id}.ops.*")  # their results stay for the API

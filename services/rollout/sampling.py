@@ -7,7 +7,8 @@ OpenAI endpoint's completions (openai_api.py): the sampling session's weights (n
 in the request; the base model without) on this worker's engine for the job's model,
 prompt token ids checked against the model's vocabulary first,
 under the engine slot's lock; `num_samples` completions
-of the raw prompt tokens, cut at the first stop token or stop string (inclusive); with
+of the raw prompt tokens, cut at the first stop token or stop string (inclusive) once
+the lock is released (cut_at_stop); with
 `prompt_logprobs`, the prompt's token logprobs under the same policy. The answer,
 or the reason there is none, goes to `ot.job.<sampler>.results.<seq_id>` (OT_TINKER),
 where the tinker service reads it; then the request is acked.
@@ -46,14 +47,37 @@ def is_sample(m: Msg) -> bool:
 
 def cut_at_stop(out: Any, req: TinkerSample, tokenizer: Any) -> SampledSequence:
     """One engine completion (agent_loop.GenOut) ended at the first of `req`'s stop
-    tokens or stop strings (that token included), else as the engine ended it."""
-    if req.stop_tokens or req.stop_strings:
-        stops = set(req.stop_tokens)
-        for i, t in enumerate(out.token_ids):
-            if t in stops or (req.stop_strings and any(
-                    s in tokenizer.decode(out.token_ids[:i + 1]) for s in req.stop_strings)):
-                return SampledSequence(tokens=out.token_ids[:i + 1], logprobs=out.logprobs[:i + 1], stop_reason="stop")
-    return SampledSequence(tokens=out.token_ids, logprobs=out.logprobs,
+    tokens or stop strings (that token included), else as the engine ended it.
+
+    A stop string ends the completion at the first token whose text, decoded with all
+    before it, holds the string. The completion is decoded once; only when that text
+    holds a stop string is that first token found, by bisection over prefixes (a
+    prefix's text holding a string implies every longer one does): at most
+    1 + log2(len) decodes per completion, whatever the number of stop strings
+    (a per-token re-decode of the whole prefix per string was quadratic in the
+    completion's length times the strings)."""
+    ids = out.token_ids
+    stops = set(req.stop_tokens)
+    end = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
+    if req.stop_strings:
+        upto = ids[:end] if end is not None else ids
+
+        def holds(n: int) -> bool:
+            text = tokenizer.decode(upto[:n])
+            return any(s in text for s in req.stop_strings)
+
+        if upto and holds(len(upto)):
+            lo, hi = 1, len(upto)  # the answer is in [lo, hi]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if holds(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            end = lo
+    if end is not None:
+        return SampledSequence(tokens=ids[:end], logprobs=out.logprobs[:end], stop_reason="stop")
+    return SampledSequence(tokens=ids, logprobs=out.logprobs,
                            stop_reason="stop" if out.finish_reason == "stop" else "length")
 
 
@@ -66,9 +90,10 @@ def out_of_vocab(ids: list[int], tokenizer: Any) -> str:
     return "" if bad is None else f"token id {bad} is out of the model's vocabulary (0 to {vocab - 1})"
 
 
-def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[SampledSequence], list[float]]:
-    """The completions and (when asked) prompt logprobs of `req` on `engine`. Raises
-    ValueError for a prompt that leaves no room under the engine's max_model_len."""
+def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[float]]:
+    """The engine's completions (agent_loop.GenOut, not yet cut at the stops) and (when
+    asked) prompt logprobs of `req` on `engine`. Raises ValueError for a prompt that
+    leaves no room under the engine's max_model_len."""
     why = out_of_vocab(req.tokens, engine.tokenizer)
     if why:
         raise ValueError(f"prompt: {why}")
@@ -79,11 +104,10 @@ def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[SampledSequenc
     sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=n,
                         max_total_tokens=len(req.tokens) + n)
     outs = engine.generate([list(req.tokens)] * req.num_samples, sp)
-    seqs = [cut_at_stop(o, req, engine.tokenizer) for o in outs]
     prompt: list[float] = []
     if req.prompt_logprobs:
         prompt = [float("nan") if x is None else x for x in engine.prompt_logprobs([list(req.tokens)])[0]]
-    return seqs, prompt
+    return outs, prompt
 
 
 async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
@@ -129,8 +153,11 @@ async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
                                              rec.spec.dtype)
         async with slot.lock:
             version = await worker.policies.ensure_weights(slot, req.sampler, req.weights)
-            seqs, prompt = await asyncio.get_running_loop().run_in_executor(
+            outs, prompt = await asyncio.get_running_loop().run_in_executor(
                 slot.executor, sample_blocking, slot.engine, req)
+        # the stops are matched after the engine's lock is released (the engine slot is
+        # shared by every job of this base model)
+        seqs = await asyncio.to_thread(lambda: [cut_at_stop(o, req, slot.engine.tokenizer) for o in outs])
         result = TinkerSamples(**answer, sequences=seqs, prompt_logprobs=prompt, policy_version=version)
     except ValueError as e:
         result = TinkerSamples(**answer, error=str(e), category="user")

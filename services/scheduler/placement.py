@@ -1,10 +1,17 @@
 """Placement: which queued jobs start now, and on which workers. Pure functions of the
 job records and the live workers; the scheduler service applies what they decide.
 
-Policy: first in, first out by submit time, with per-user quotas. A job over its user's
-quota waits without holding up other users' jobs; the first job that does not fit the
-free capacity stops placement for this round, so a large job is never starved by
-smaller ones behind it. A job the whole pool could not hold even when idle (more
+Policy: fair share across users, then first in, first out by submit time, with
+per-user quotas. The next job considered is always the oldest queued job of the user
+whose placed jobs hold the fewest workers now (re-ranked after each placement), so a
+user with many queued jobs never keeps another user's job behind them (no head-of-line
+blocking by one user). A job over its user's quota waits without holding up other
+users' jobs, and so does a training job whose user already holds their share of the
+pool's learner slots (`learner_share`, at least one slot) while another user's training
+job waits for a learner; with nobody else waiting, a user may use every free learner.
+The first job that does not fit the free capacity stops placement for this round, so a
+large job is never starved by smaller ones behind it (that job is of the least-served
+user, whom the capacity freed next goes to). A job the whole pool could not hold even when idle (more
 rollout workers than it has, or no learner at all) waits without stopping the round:
 otherwise one tenant's impossible job would stall every job behind it. A training job takes one free learner offering its
 `learner_ranks` (data-parallel ranks on that learner's host) and `rollout_workers`
@@ -27,10 +34,12 @@ from opentinker.schemas.stats import derived_seed
 
 @dataclass(frozen=True)
 class Quota:
-    """A user's limits: jobs placed at once, and workers those jobs hold in all."""
+    """A user's limits: jobs placed at once, workers those jobs hold in all, and the
+    share of the pool's learner slots they may hold while others wait for one."""
 
     max_jobs: int
     max_workers: int
+    learner_share: float = 1.0
 
 
 def rollout_needed(rec: JobRecord) -> int:
@@ -80,10 +89,12 @@ class Load:
     models: dict[str, set[str]] = field(default_factory=dict)
     user_jobs: Counter = field(default_factory=Counter)
     user_workers: Counter = field(default_factory=Counter)
+    user_learners: Counter = field(default_factory=Counter)
 
     def add(self, rec: JobRecord, p: Placement) -> None:
         if p.learner:
             self.learners[p.learner] += 1
+            self.user_learners[rec.user] += 1
         for w in p.rollout:
             self.rollout[w] += 1
             self.models.setdefault(w, set()).add(rec.spec.model)
@@ -114,12 +125,22 @@ def plan(queued: list[JobRecord], active: list[JobRecord], live: dict[str, Worke
     """
     load = current_load(active)
     busy_with = {j for info in live.values() for j in info.jobs}
+    learner_slots = sum(i.capacity.slots for i in live.values() if i.kind == "learner")
+    wants_learner = Counter(r.user for r in queued if r.kind == "train")
     out = []
-    for rec in sorted(queued, key=lambda r: (r.created_s, r.job_id)):
+    left = sorted(queued, key=lambda r: (r.created_s, r.job_id))
+    while left:
+        # the oldest job of the user holding the fewest workers (min is stable: oldest first)
+        rec = min(left, key=lambda r: load.user_workers[r.user])
+        left.remove(rec)
         q = quota_of(rec.user)
         need = workers_needed(rec)
         if load.user_jobs[rec.user] + 1 > q.max_jobs or load.user_workers[rec.user] + need > q.max_workers:
             continue  # over quota: waits, and holds up no one else
+        others_wait = len(wants_learner) - (rec.user in wants_learner) > 0
+        if rec.kind == "train" and others_wait and \
+                load.user_learners[rec.user] + 1 > max(1, int(q.learner_share * learner_slots)):
+            continue  # over its user's share of learners while another user waits for one
         if rec.job_id in busy_with:
             continue  # the last attempt's worker is still letting go
         could_ever = [w for w, i in live.items() if i.kind == "rollout" and _supports(i, rec.spec.engine)]
@@ -144,6 +165,8 @@ def plan(queued: list[JobRecord], active: list[JobRecord], live: dict[str, Worke
         p = Placement(attempt=rec.attempt + 1, learner=learner, rollout=cands[:n], placed_s=now_s)
         load.add(rec, p)
         out.append((rec, p))
+        if rec.kind == "train" and not any(r.user == rec.user and r.kind == "train" for r in left):
+            wants_learner.pop(rec.user, None)
     return out
 
 

@@ -29,6 +29,9 @@ checkpoint) and places queued jobs on free workers (placement.py). A training jo
 loses only some of its rollout workers is not requeued: its record keeps the attempt
 with the survivors (`fail_over`) and its learner asks the lost workers' groups again.
 
+Every RETENTION_EVERY_S it deletes finished job records past retention (settings
+`job_retention_days`, `finished_jobs_per_user`; retention.py) with the jobs' objects.
+
 Run: `opentinker serve scheduler` or `python -m opentinker.services.scheduler`.
 """
 
@@ -59,11 +62,13 @@ from opentinker.services.core.pool import live_workers
 from opentinker.services.core.runner import run_service
 from opentinker.schemas.users import User
 from opentinker.services.scheduler.placement import inference_requests, Quota, holders, lost_workers, plan, without_lost_rollout
+from opentinker.services.scheduler.retention import expired_records, forget_jobs, named_jobs
 from opentinker.services.core.users import AuthError, Users
 
 log = logging.getLogger("opentinker.scheduler")
 SERVICE = "scheduler"
 RECONCILE_S = 1.0
+RETENTION_EVERY_S = 60.0  # how often finished records past retention are deleted (forget_finished)
 HISTORY_KEPT = 50
 
 
@@ -201,11 +206,13 @@ class Scheduler:
     async def load_quotas(self) -> None:
         """Each user's quota: their own limits, else the scheduler's defaults."""
         self.quotas = {u.name: Quota(u.max_jobs or self.settings.max_jobs_per_user,
-                                     u.max_workers or self.settings.max_workers_per_user)
+                                     u.max_workers or self.settings.max_workers_per_user,
+                                     self.settings.learner_share_per_user)
                        for u in await self.users.users()}
 
     def quota_of(self, user: str) -> Quota:
-        return self.quotas.get(user) or Quota(self.settings.max_jobs_per_user, self.settings.max_workers_per_user)
+        return self.quotas.get(user) or Quota(self.settings.max_jobs_per_user, self.settings.max_workers_per_user,
+                                              self.settings.learner_share_per_user)
 
     # -- commands --
 
@@ -232,7 +239,9 @@ class Scheduler:
         served neither by the user's own envhost nor the operator's (envs.py), a
         tinker_init save of another user's job, an opponent that is not the user's job of
         the same model, more than `max_unfinished_jobs_per_user` unfinished jobs, a taken
-        job id."""
+        job id. The unfinished jobs are counted, on a fresh read of the records, under
+        `self.lock` with the new record's write, so parallel submits (the REST API's and
+        `ot.ctl.submit`'s, both in this process) cannot all pass one count."""
         from opentinker.services.core.access import check_model_ref, confine_env_args, confine_path, path_args
         from opentinker.services.scheduler.envs import resolve_env_owner
 
@@ -262,12 +271,8 @@ class Scheduler:
         except SpecError as e:
             return SubmitReply(ok=False, error=str(e), field=e.field)
         cmd = msgspec.structs.replace(cmd, spec=msgspec.structs.replace(cmd.spec, **changes))
-        unfinished = sum(1 for r in mine if not r.state.terminal)
-        limit = self.settings.max_unfinished_jobs_per_user
-        if user.role != "admin" and unfinished >= limit:
-            return SubmitReply(ok=False, field="job_id", error=(
-                f"user {user.name!r} has {unfinished} unfinished jobs, the most one user may queue "
-                f"(max_unfinished_jobs_per_user = {limit}); cancel one or wait"))
+        if refused := self.unfinished_refusal(user, mine):  # early; checked again under the lock
+            return refused
         job_id = cmd.job_id or new_job_id(cmd.spec.name or cmd.spec.env)
         now = time.time()
         token = ""
@@ -290,6 +295,10 @@ class Scheduler:
             if isinstance(policy, SubmitReply):
                 return policy
         async with self.lock:
+            if user.role != "admin":  # a fresh count: records written since the read above
+                now_mine = [r for r, _ in await self.records(every_pool=True) if r.user == user.name]
+                if refused := self.unfinished_refusal(user, now_mine):
+                    return refused
             try:
                 await self.put(rec, None)
             except Conflict:
@@ -301,6 +310,17 @@ class Scheduler:
         log.info("accepted %s job %s of %r (model=%s env=%s steps=%d)", cmd.kind, job_id, user.name,
                  cmd.spec.model, cmd.spec.env, cmd.spec.steps)
         return SubmitReply(ok=True, job_id=job_id, endpoint_token=token)
+
+    def unfinished_refusal(self, user: User, mine: list[JobRecord]) -> SubmitReply | None:
+        """The refusal of one more job of `user` (an admin: none) when `mine`, the user's
+        records, hold `max_unfinished_jobs_per_user` unfinished jobs already; else None."""
+        unfinished = sum(1 for r in mine if not r.state.terminal)
+        limit = self.settings.max_unfinished_jobs_per_user
+        if user.role == "admin" or unfinished < limit:
+            return None
+        return SubmitReply(ok=False, field="job_id", error=(
+            f"user {user.name!r} has {unfinished} unfinished jobs, the most one user may queue "
+            f"(max_unfinished_jobs_per_user = {limit}); cancel one or wait"))
 
     async def policy_event(self, source: str, job_id: str, user: User) -> WeightsPublished | SubmitReply:
         """The newest weight event of train job `source` (the user's own), re-addressed
@@ -439,6 +459,24 @@ class Scheduler:
         await self.announce(rec)
         return rec, rev
 
+    # -- retention --
+
+    async def forget_finished(self, now: float) -> int:
+        """Delete this pool's finished job records past retention (retention.py), each
+        with the job's objects, weight events and rollout work; returns how many."""
+        every = await self.records(every_pool=True)
+        mine = {r.job_id: (r, v) for r, v in every if r.pool == self.pool}
+        gone = expired_records([r for r, _ in mine.values()], now, self.settings.job_retention_days,
+                               self.settings.finished_jobs_per_user, in_use=named_jobs(r for r, _ in every))
+        if not gone:
+            return 0
+        deleted, objects = await forget_jobs(self.bus, [(r.job_id, mine[r.job_id][1]) for r in gone])
+        log.info("deleted %d finished job records of pool %s and their %d objects (older than "
+                 "job_retention_days = %g, or past a user's newest finished_jobs_per_user = %d)",
+                 deleted, self.pool, objects, self.settings.job_retention_days,
+                 self.settings.finished_jobs_per_user)
+        return deleted
+
     async def forget_worker(self, worker: str) -> None:
         """Drop a lost worker's consumers and the work addressed to it."""
         for d in (S.assignments_durable(worker), S.rollout_durable(worker)):
@@ -469,11 +507,20 @@ class Scheduler:
         log.info("job %s placed on %s (attempt %d)", rec.job_id, where, p.attempt)
 
     async def run_placement(self, stop: asyncio.Event) -> None:
+        """Reconcile every RECONCILE_S (or when woken); forget finished jobs past
+        retention at once and then every RETENTION_EVERY_S."""
+        forget_at = 0.0
         while not stop.is_set():
             try:
                 await self.reconcile()
             except Exception:
                 log.exception("placement round failed; retrying")
+            if time.monotonic() >= forget_at:
+                forget_at = time.monotonic() + RETENTION_EVERY_S
+                try:
+                    await self.forget_finished(time.time())
+                except Exception:
+                    log.exception("deleting finished jobs failed; retrying in %.0f s", RETENTION_EVERY_S)
             self.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), RECONCILE_S)

@@ -129,7 +129,8 @@ def make_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": e.detail}, status_code=e.status)
+        return JSONResponse({"detail": e.detail}, status_code=e.status,
+                            headers={"retry-after": "2"} if e.status == 429 else None)
 
     def key_of(request: Request) -> str:
         return request.headers.get("x-api-key", "").removeprefix("tml-")
@@ -228,7 +229,7 @@ def make_app(gw: Gateway) -> FastAPI:
         job_id = await gw.own_model(user, mid)
         op = TinkerOp(job_id=job_id, seq_id=seq, op="forward" if forward_only else "forward_backward",
                       data=data, loss_fn=loss_fn, loss_fn_config=config)
-        return {"request_id": await gw.submit(op), "model_id": mid}
+        return {"request_id": await gw.submit(user, op), "model_id": mid}
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict:
@@ -236,17 +237,17 @@ def make_app(gw: Gateway) -> FastAPI:
         job_id = await gw.own_model(user, b.model_id)
         error = "" if b.adam_params else "optimizer_params: only Adam (adam_params) is served"
         op = TinkerOp(job_id=job_id, seq_id=b.seq_id, op="optim_step", adam=b.adam_params, error=error)
-        return {"request_id": await gw.submit(op), "model_id": b.model_id}
+        return {"request_id": await gw.submit(user, op), "model_id": b.model_id}
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict:
         user, b = await body(request, SaveBody)
-        return {"request_id": await gw.submit(await save_op(user, b, "save_state")), "model_id": b.model_id}
+        return {"request_id": await gw.submit(user, await save_op(user, b, "save_state")), "model_id": b.model_id}
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict:
         user, b = await body(request, SaveBody)
-        return {"request_id": await gw.submit(await save_op(user, b, "save_sampler")), "model_id": b.model_id}
+        return {"request_id": await gw.submit(user, await save_op(user, b, "save_sampler")), "model_id": b.model_id}
 
     async def save_op(user: str, b: SaveBody, kind: str) -> TinkerOp:
         """A save; save_weights_and_get_sampling_client names no path: its weights are
@@ -282,7 +283,7 @@ def make_app(gw: Gateway) -> FastAPI:
             error = e.detail if isinstance(e, ApiError) else str(e)
         op = TinkerOp(job_id=job_id, seq_id=b.seq_id, op="load_state", path=path, optimizer=b.optimizer,
                       error=error)
-        return {"request_id": await gw.submit(op), "model_id": b.model_id}
+        return {"request_id": await gw.submit(user, op), "model_id": b.model_id}
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
@@ -310,10 +311,13 @@ def make_app(gw: Gateway) -> FastAPI:
             if getattr(b, field):
                 raise ApiError(400, f"{field}: top-k logprobs are not served")
         tokens: list[int] = []
-        for c in b.prompt.chunks:
+        for i, c in enumerate(b.prompt.chunks):
             if c.get("type") != "encoded_text":
                 raise ApiError(400, f"prompt: {c.get('type')!r} chunks are not served (text only)")
-            tokens += msgspec.convert(c, EncodedText).tokens
+            try:
+                tokens += msgspec.convert(c, EncodedText).tokens
+            except msgspec.ValidationError as e:
+                raise ApiError(400, f"prompt.chunks[{i}]: {e}") from None
         p = b.sampling_params
         if p.top_k not in (-1, 0):
             raise ApiError(400, "sampling_params.top_k: only -1 (no top-k) is served")

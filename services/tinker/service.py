@@ -9,7 +9,8 @@ and future from the bus.
 Reads:  KV `ot_jobs` (a model's owner and state), `ot_users` / `ot_keys` (API keys),
         `ot_tinker` (sessions); `ot.job.<id>.results.<seq>` (OT_TINKER, by direct get).
 Writes: `ot.ctl.submit` (request/reply: a model's job, as the user); `ot.job.<id>.ops.<seq>`
-        and `.ops.close` (OT_TINKER); KV `ot_tinker`.
+        and `.ops.close` (OT_TINKER); KV `ot_tinker`. Purges retrieved futures'
+        messages from OT_TINKER (sessions.py).
 Listens: http://<tinker_host>:<tinker_port>/api/v1 (X-API-Key authenticated; loopback
         by default).
 
@@ -42,7 +43,8 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     admin_key = ""
     if os.environ.get("OPENTINKER_ADMIN_KEY_FILE"):  # the reaper cancels idle sessions' sampling jobs with it
         admin_key = Path(os.environ["OPENTINKER_ADMIN_KEY_FILE"]).read_text().strip()
-    gw = Gateway(bus, settings.home, admin_key=admin_key or os.environ.get("OPENTINKER_ADMIN_KEY", ""))
+    gw = Gateway(bus, settings.home, admin_key=admin_key or os.environ.get("OPENTINKER_ADMIN_KEY", ""),
+                 settings=settings)
     server = await serve_http(make_app(gw), settings.tinker_host, settings.tinker_port)
     url = f"http://{settings.tinker_host}:{server.port}"
     (Path(settings.home) / "tinker.json").write_text(json.dumps({"base_url": url}))
@@ -50,11 +52,15 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     try:
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), SESSION_TTL_S / 10)
+                await asyncio.wait_for(stop.wait(), min(SESSION_TTL_S, settings.tinker_session_idle_s) / 10)
             except TimeoutError:
-                reaped = await gw.reap()
+                try:
+                    reaped = await gw.reap()
+                except Exception:  # the bus blinked: the next round tries again
+                    log.exception("reaping sessions failed")
+                    continue
                 if reaped:
-                    log.info("finished %d idle sessions: %s", len(reaped), ", ".join(reaped))
+                    log.info("finished %d sessions and jobs: %s", len(reaped), ", ".join(reaped))
     finally:
         await server.stop()
 

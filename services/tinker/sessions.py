@@ -5,9 +5,23 @@ learner's results.
 
 Every model id, request id and save path a caller names is checked against the
 caller: it must belong to a session of theirs (the job record's user), else it is
-answered as if it did not exist (404). A session whose heartbeats stop for
-SESSION_TTL_S is finished as if its client had closed it: its models' learners
-export their policy and complete.
+answered as if it did not exist (404).
+
+What one user may hold (Settings; each refusal is a 429 naming the setting, which the
+SDK retries with backoff):
+- A session is finished as if its client had closed it (its models' learners export
+  their policy and complete, its sampling job ends) when its heartbeats stop for
+  SESSION_TTL_S, after `tinker_session_idle_s` without an operation or sample, and
+  `tinker_session_max_s` after it began. A tinker job that belongs to no open session
+  (one submitted over the REST API, or whose session finished) is closed the same way.
+- `tinker_inflight_per_user` / `tinker_inflight_bytes_per_user`: the operations and
+  samples sent whose futures are not yet retrieved. A retrieved future's messages are
+  purged from OT_TINKER RETRIEVED_KEPT_S later, a finished session's likewise, so the
+  stream holds what is in flight: one user's burst neither evicts nor refuses another's
+  messages while the stream's max_bytes exceeds the users at their cap times the cap.
+- `tinker_polls_per_user`: futures long-polled at once. A poll waits on a subscription
+  to the result's subject (the result arrives by push), looking at the job's record
+  every RECORD_EVERY_S for a job that ended.
 """
 
 from __future__ import annotations
@@ -17,18 +31,20 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import msgspec
 import nats.errors
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from opentinker.schemas import (CancelJob, CancelReply, JobSpec, SubmitJob, SubmitReply, WeightsPublished, decode,
-                                encode)
+from opentinker.schemas import (CancelJob, CancelReply, JobRecord, JobSpec, SubmitJob, SubmitReply, WeightsPublished,
+                                decode, encode)
 from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import (TinkerOp, TinkerResult, TinkerSample, TinkerSampler, TinkerSamples,
                                        TinkerSession, sampler_object)
 from opentinker.services.core.bus import Bus
+from opentinker.services.core.config import Settings
 from opentinker.services.core.models import DEFAULT_MODEL, resolve_model
 from opentinker.services.core.users import Users
 from opentinker.services.tinker import wire
@@ -37,7 +53,9 @@ log = logging.getLogger("opentinker.tinker")
 
 SESSION_TTL_S = 300.0     # no heartbeat this long (the SDK beats every 10 s): finished
 POLL_S = 25.0             # a retrieve_future waits this long before "try again" (SDK timeout 45 s)
-POLL_EVERY_S = 0.05
+RECORD_EVERY_S = 2.0      # a waiting retrieve_future looks at its job's record this often
+ACTIVE_EVERY_S = 30.0     # a session's `active_s` is written at most this often
+RETRIEVED_KEPT_S = 60.0   # a retrieved future's messages stay this long (a client's retry finds them)
 MAX_MODELS_PER_SESSION = 64
 # Tinker's train_attn / train_mlp choose these; train_unembed is not served (the small
 # models here tie the unembedding to the embedding, which a merged adapter would change)
@@ -59,13 +77,83 @@ class ApiError(Exception):
 class Gateway:
     """The Tinker API's state and calls over one bus connection (module docstring)."""
 
-    def __init__(self, bus: Bus, home: str, chunk_bytes: int = S.TINKER_CHUNK_BYTES, admin_key: str = ""):
+    def __init__(self, bus: Bus, home: str, chunk_bytes: int = S.TINKER_CHUNK_BYTES, admin_key: str = "",
+                 settings: Settings | None = None):
         self.bus = bus
         self.home = home
         self.admin_key = admin_key
         self.users = Users(bus)
         self.chunk_bytes = chunk_bytes
+        self.limits = settings or Settings()
         self._owners: dict[str, str] = {}  # job id -> user (a record's user never changes)
+        self._inflight: dict[str, dict[str, int]] = {}  # user -> {request id: bytes} not yet retrieved
+        self._polls: Counter[str] = Counter()  # user -> long-polls (and placement waits) open now
+        self._active: dict[str, float] = {}  # session id -> the `active_s` last written
+        self._purges: list[tuple[float, str]] = []  # (when, OT_TINKER subject filter) to purge
+        self._closed: set[str] = set()  # tinker jobs the reaper sent a close (once per process)
+
+    # -- what one user holds (module docstring) --------------------------------------
+
+    def _admit(self, user: str, rid: str, size: int) -> None:
+        """Count request `rid` (`size` bytes on the bus) as in flight for `user` until
+        its future is retrieved. Raises ApiError 429 over the user's limits."""
+        mine = self._inflight.setdefault(user, {})
+        if rid in mine:
+            return  # a resent request (the bus dedups it)
+        lim = self.limits
+        if len(mine) >= lim.tinker_inflight_per_user:
+            raise ApiError(429, f"{len(mine)} operations and samples of yours are in flight, their futures not "
+                                f"retrieved (tinker_inflight_per_user = {lim.tinker_inflight_per_user}); "
+                                "retrieve their results first")
+        used = sum(mine.values())
+        if used + size > lim.tinker_inflight_bytes_per_user:
+            raise ApiError(429, f"{used + size} bytes of operations and samples of yours would be in flight "
+                                f"(tinker_inflight_bytes_per_user = {lim.tinker_inflight_bytes_per_user}); "
+                                "retrieve their results first")
+        mine[rid] = size
+
+    def _retrieved(self, user: str, rid: str, job_id: str, seq: int) -> None:
+        self._inflight.get(user, {}).pop(rid, None)
+        if seq == 0:
+            return  # a model's readiness: kept while the job lives
+        when = time.time() + RETRIEVED_KEPT_S
+        self._purges += [(when, S.tinker_result(job_id, seq))]
+        if not wire.SAMPLER_RE.match(job_id):
+            self._purges += [(when, S.tinker_op(job_id, seq))]
+
+    async def purge_due(self, now: float | None = None) -> int:
+        """Purge the OT_TINKER messages whose time has come; returns how many subjects."""
+        now = time.time() if now is None else now
+        due = [subj for t, subj in self._purges if t <= now]
+        self._purges = [(t, subj) for t, subj in self._purges if t > now]
+        for subj in due:
+            await self.bus.purge_subject(S.STREAM_TINKER, subj)
+        return len(due)
+
+    @contextlib.asynccontextmanager
+    async def _poll_slot(self, user: str, what: str):
+        """One of `user`'s tinker_polls_per_user long waits; ApiError 429 when all are taken."""
+        cap = self.limits.tinker_polls_per_user
+        if self._polls[user] >= cap:
+            raise ApiError(429, f"{what}: {self._polls[user]} requests of yours are waiting at once "
+                                f"(tinker_polls_per_user = {cap}); wait for one to return")
+        self._polls[user] += 1
+        try:
+            yield
+        finally:
+            self._polls[user] -= 1
+            if not self._polls[user]:
+                del self._polls[user]
+
+    async def _touch(self, user: str, session_id: str) -> None:
+        """Note the session's activity (its `active_s`), at most every ACTIVE_EVERY_S."""
+        now = time.time()
+        if now - self._active.get(session_id, 0.0) < ACTIVE_EVERY_S:
+            return
+        self._active[session_id] = now
+        with contextlib.suppress(KeyWrongLastSequenceError, ApiError):
+            s, rev = await self._session(user, session_id)
+            await self._put(msgspec.structs.replace(s, active_s=now), rev)
 
     # -- sessions --------------------------------------------------------------
 
@@ -116,6 +204,14 @@ class Gateway:
         none and uses the operator's admin key when the service was given one)."""
         if not s.finished_s:
             await self._put(msgspec.structs.replace(s, finished_s=time.time()), rev)
+        mine = self._inflight.get(s.user, {})
+        for rid in [r for r in mine if wire.session_of_job(r) == s.session_id]:
+            del mine[rid]
+        self._active.pop(s.session_id, None)
+        later = time.time() + RETRIEVED_KEPT_S
+        # its results (a learner purges its job's ops as it ends: a close must stay until read)
+        self._purges += [(later, f"ot.job.{wire.model_job(s.session_id, n)}.results.*") for n in range(s.models)]
+        self._purges += [(later, f"ot.job.{wire.sampler_job(s.session_id, n)}.results.*") for n in range(s.samplers)]
         for n in range(s.models):
             job_id = wire.model_job(s.session_id, n)
             await self.bus.publish(S.tinker_close(job_id), TinkerOp(job_id=job_id, seq_id=0, op="close"),
@@ -132,9 +228,24 @@ class Gateway:
         log.info("session %s finished (%d models, %d sampling sessions)", s.session_id, s.models, s.samplers)
 
     async def reap(self, now: float | None = None) -> list[str]:
-        """Finish the sessions with no heartbeat for SESSION_TTL_S; returns their ids."""
+        """Finish the sessions with no heartbeat for SESSION_TTL_S, none of whose
+        operations or samples came for `tinker_session_idle_s`, or begun over
+        `tinker_session_max_s` ago; close the tinker jobs of no open session. Returns
+        the ids of the sessions and jobs ended."""
         now = time.time() if now is None else now
+        lim = self.limits
         out = []
+        # the tinker jobs first: a job's session was made before it, so the sessions read
+        # next hold the session of every job read here
+        tinker_jobs = []
+        for value, _ in (await self.bus.kv_values(S.KV_JOBS)).values():
+            try:
+                rec = decode(value, JobRecord)
+            except msgspec.MsgspecError:
+                continue
+            if rec.kind == "train" and rec.spec.algorithm == "tinker" and not rec.state.terminal:
+                tinker_jobs.append(rec)
+        open_sessions: set[str] = set()
         for key, (value, rev) in (await self.bus.kv_values(S.KV_TINKER)).items():
             if not wire.SESSION_RE.match(key):
                 continue  # a sampling session's record
@@ -143,12 +254,34 @@ class Gateway:
             except msgspec.MsgspecError:
                 log.warning("ignoring an unreadable session %r", key)
                 continue
-            if not s.finished_s and now - s.heartbeat_s > SESSION_TTL_S:
-                try:
-                    await self._finish(s, rev, "")
-                except KeyWrongLastSequenceError:
-                    continue  # it beat meanwhile
-                out.append(s.session_id)
+            if s.finished_s:
+                continue
+            why = ("no heartbeat for %.0f s" % (now - s.heartbeat_s) if now - s.heartbeat_s > SESSION_TTL_S else
+                   "idle for %.0f s (tinker_session_idle_s)" % (now - max(s.active_s, s.created_s))
+                   if now - max(s.active_s, s.created_s) > lim.tinker_session_idle_s else
+                   "open for %.0f s (tinker_session_max_s)" % (now - s.created_s)
+                   if now - s.created_s > lim.tinker_session_max_s else "")
+            if not why:
+                open_sessions.add(s.session_id)
+                continue
+            try:
+                await self._finish(s, rev, "")
+            except KeyWrongLastSequenceError:
+                open_sessions.add(s.session_id)
+                continue  # it beat meanwhile
+            log.info("session %s of %r finished: %s", s.session_id, s.user, why)
+            out.append(s.session_id)
+        for rec in tinker_jobs:
+            m = wire.JOB_RE.match(rec.job_id)
+            if (m and m.group(1) in open_sessions) or rec.job_id in self._closed:
+                continue
+            await self.bus.publish(S.tinker_close(rec.job_id), TinkerOp(job_id=rec.job_id, seq_id=0, op="close"),
+                                   msg_id=f"{rec.job_id}:close")
+            self._closed.add(rec.job_id)
+            if not (m and m.group(1) in out):
+                log.info("tinker job %s of %r belongs to no open session: closed", rec.job_id, rec.user)
+                out.append(rec.job_id)
+        await self.purge_due(now)
         return out
 
     # -- models -----------------------------------------------------------------
@@ -332,42 +465,54 @@ class Gateway:
 
     async def sample(self, user: str, req: TinkerSample) -> str:
         """Send `req` (for sampling session `req.sampler`) to the rollout worker of the
-        session's inference job, waiting up to PLACEMENT_WAIT_S for its placement.
-        Returns the future's request id."""
+        session's inference job, waiting up to PLACEMENT_WAIT_S for its placement (one of
+        the user's tinker_polls_per_user waits). Returns the future's request id. Raises
+        ApiError: 404 for another's sampling session, 410 for an ended sampling job, 429
+        while it is still queued (the SDK retries) or over the user's in-flight limits."""
         rec = await self._sampler(user, req.sampler)
         job_id = wire.sampling_job(rec.session_id)
         deadline = time.monotonic() + PLACEMENT_WAIT_S
-        while True:
-            job, _ = await self.bus.job_record(job_id)
-            if job.state.terminal:
-                raise ApiError(410, f"the session's sampling job {job_id} is {job.state.value}")
-            if job.placement is not None and job.placement.rollout:
-                break
-            if time.monotonic() > deadline:
-                raise ApiError(503, f"the session's sampling job {job_id} has no rollout worker yet")
-            await asyncio.sleep(0.2)
+        async with self._poll_slot(user, "sample"):
+            while True:
+                job, _ = await self.bus.job_record(job_id)
+                if job.state.terminal:
+                    raise ApiError(410, f"the session's sampling job {job_id} is {job.state.value}")
+                if job.placement is not None and job.placement.rollout:
+                    break
+                if time.monotonic() > deadline:
+                    raise ApiError(429, f"the session's sampling job {job_id} is still queued: no rollout worker is "
+                                        "free for it, or your quota (jobs placed at once) holds it")
+                await asyncio.sleep(0.5)
         req = msgspec.structs.replace(req, job_id=job_id, attempt=job.attempt, weights=rec.weights)
+        rid = wire.request_id(req.sampler, req.seq_id)
+        self._admit(user, rid, len(encode(req)))
+        await self._touch(user, rec.session_id)
         await self.bus.publish(S.rollout(job_id, job.placement.rollout[0]), req,
                                msg_id=f"{req.sampler}:sample{req.seq_id}")
-        return wire.request_id(req.sampler, req.seq_id)
+        return rid
 
     def known_models(self) -> list[str]:
         return [DEFAULT_MODEL]
 
     # -- operations and futures ---------------------------------------------------
 
-    async def submit(self, op: TinkerOp) -> str:
-        """Publish `op` for its model's learner (once per seq_id: a resent submit is a
-        duplicate JetStream drops). Returns the future's request id."""
+    async def submit(self, user: str, op: TinkerOp) -> str:
+        """Publish `op` of `user`'s model for its learner (once per seq_id: a resent
+        submit is a duplicate JetStream drops). Returns the future's request id. Raises
+        ApiError 400 for a seq_id below 1, 429 over the user's in-flight limits."""
         if op.seq_id < 1:
             raise ApiError(400, f"seq_id: {op.seq_id} (from 1)")
+        rid = wire.request_id(op.job_id, op.seq_id)
+        self._admit(user, rid, len(encode(op)))
+        await self._touch(user, wire.session_of_job(op.job_id))
         await self.bus.publish(S.tinker_op(op.job_id, op.seq_id), op, msg_id=f"{op.job_id}:op{op.seq_id}")
-        return wire.request_id(op.job_id, op.seq_id)
+        return rid
 
     async def retrieve(self, user: str, rid: str, api_key: str) -> dict[str, Any] | bytes:
         """A future's answer: its result (JSON, or protobuf bytes for forward,
         forward_backward and sample), a failure, or "try again" after POLL_S. A
-        save_weights_and_get_sampling_client result opens its sampling session first."""
+        save_weights_and_get_sampling_client result opens its sampling session first.
+        Raises ApiError 404 for another's future, 429 over tinker_polls_per_user."""
         try:
             job_id, seq = wire.parse_request_id(rid)
         except wire.WireError as e:
@@ -378,33 +523,52 @@ class Gateway:
         else:
             await self._own_job(user, job_id, f"no request {rid!r}")
             watched = job_id
-        deadline = time.monotonic() + POLL_S
-        checked = 0.0
-        while True:
-            raw = await self.bus.last_message(S.tinker_result(job_id, seq))
+        async with self._poll_slot(user, "retrieve_future"):
+            answer = await self._wait(user, api_key, rid, job_id, seq, watched)
+        if not (isinstance(answer, dict) and answer.get("type") == "try_again"):
+            self._retrieved(user, rid, job_id, seq)
+        return answer
+
+    async def _wait(self, user: str, api_key: str, rid: str, job_id: str, seq: int,
+                    watched: str) -> dict[str, Any] | bytes:
+        subject = S.tinker_result(job_id, seq)
+        sub = await self.bus.nc.subscribe(subject)  # before the read: a result landing between is not missed
+        try:
+            raw = await self.bus.last_message(subject)
             if raw is not None:
                 return await self._answer(user, api_key, raw.data, job_id)
-            if time.monotonic() - checked > 2.0:  # a job that ended will never answer
-                checked = time.monotonic()
-                got = await self.bus.job_record(watched)
-                if got is not None and got[0].state.terminal:
-                    raw = await self.bus.last_message(S.tinker_result(job_id, seq))
-                    if raw is not None:
-                        return await self._answer(user, api_key, raw.data, job_id)
-                    rec = got[0]
-                    return {"error": f"job {watched} is {rec.state.value}"
-                                     + (f": {rec.reason}" if rec.reason else ""), "category": "server"}
-            if time.monotonic() > deadline:
-                return {"type": "try_again", "request_id": rid, "queue_state": "active"}
-            await asyncio.sleep(POLL_EVERY_S)
+            deadline = time.monotonic() + POLL_S
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    m = await sub.next_msg(timeout=min(RECORD_EVERY_S, left))
+                except nats.errors.TimeoutError:
+                    got = await self.bus.job_record(watched)  # a job that ended will never answer
+                    if got is not None and got[0].state.terminal:
+                        raw = await self.bus.last_message(subject)
+                        if raw is not None:
+                            return await self._answer(user, api_key, raw.data, job_id)
+                        rec = got[0]
+                        return {"error": f"job {watched} is {rec.state.value}"
+                                         + (f": {rec.reason}" if rec.reason else ""), "category": "server"}
+                    continue
+                return await self._answer(user, api_key, m.data, job_id)
+            return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     async def _answer(self, user: str, api_key: str, data: bytes, job_id: str) -> dict[str, Any] | bytes:
-        if wire.SAMPLER_RE.match(job_id):
-            samples = decode(data, TinkerSamples)
+        try:
+            got = decode(data, TinkerSamples if wire.SAMPLER_RE.match(job_id) else TinkerResult)
+        except msgspec.MsgspecError as e:  # a service's bug, not the caller's: a failed future, not a 500
+            log.error("unreadable result for %s: %s", job_id, e)
+            return {"error": f"the result does not decode ({e})", "category": "server"}
+        if isinstance(got, TinkerSamples):
+            samples = got
             if samples.error:
                 return {"error": samples.error, "category": samples.category}
             return wire.sample_response(samples)
-        r = decode(data, TinkerResult)
+        r = got
         mid = wire.model_of_job(job_id)
         if r.error:
             return {"error": r.error, "category": r.category}

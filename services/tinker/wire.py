@@ -21,7 +21,8 @@ import secrets
 
 import numpy as np
 
-from opentinker.schemas.tinker import CHECKPOINT_NAME_RE, MAX_TINKER_DATUMS, TinkerDatum, TinkerResult, TinkerTensor
+from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKENS,
+                                       MAX_TINKER_DATUMS, TinkerDatum, TinkerResult, TinkerTensor)
 
 SESSION_RE = re.compile(r"^ts-[0-9a-f]{10}$")
 MODEL_RE = re.compile(r"^(ts-[0-9a-f]{10}):train:(\d{1,6})$")
@@ -245,15 +246,23 @@ def sample_response(r) -> bytes:
 def stops(stop) -> tuple[list[int], list[str]]:
     """(stop token ids, stop strings) of Tinker's `sampling_params.stop`: None (the
     model's own end of sequence), a string, strings or token ids. Raises WireError for
-    `[]` (Tinker's "no stop at all, not even end of sequence", which is not served)."""
+    `[]` (Tinker's "no stop at all, not even end of sequence", which is not served) and
+    for more or longer stops than schemas.tinker's MAX_STOP_* limits."""
     if stop is None:
         return [], []
-    if isinstance(stop, str):
-        return [], [stop]
     if isinstance(stop, list) and not stop:
         raise WireError("sampling_params.stop: [] (sampling past the end-of-sequence token) is not served")
     if isinstance(stop, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in stop):
+        if len(stop) > MAX_STOP_TOKENS:
+            raise WireError(f"sampling_params.stop: {len(stop)} stop tokens (at most {MAX_STOP_TOKENS})")
         return list(stop), []
+    if isinstance(stop, str):
+        stop = [stop]
     if isinstance(stop, list) and all(isinstance(x, str) and x for x in stop):
+        if len(stop) > MAX_STOP_STRINGS:
+            raise WireError(f"sampling_params.stop: {len(stop)} stop strings (at most {MAX_STOP_STRINGS})")
+        if max(map(len, stop)) > MAX_STOP_STRING_CHARS:
+            raise WireError(f"sampling_params.stop: a stop string of {max(map(len, stop))} characters "
+                            f"(at most {MAX_STOP_STRING_CHARS})")
         return [], list(stop)
     raise WireError("sampling_params.stop: a string, a list of strings or a list of token ids")

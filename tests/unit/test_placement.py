@@ -139,3 +139,29 @@ def test_a_job_wanting_more_ranks_than_any_learner_offers_blocks_no_one():
     live = pool(worker("l1", "learner", ranks=2), worker("r1", "rollout", slots=4))
     got = plan([job("huge", 1.0, learner_ranks=8), job("one", 2.0)], [], live, lambda u: BIG, 5.0)
     assert [r.job_id for r, _ in got] == ["one"]
+
+
+def test_one_user_with_many_queued_jobs_does_not_keep_another_behind():
+    """Issue 30, item 4: FIFO with a break let the head of the queue (one user's burst)
+    hold every other user's job back."""
+    live = pool(worker("l1", "learner"), worker("l2", "learner"), worker("r1", "rollout", slots=8))
+    bobs = [job(f"b{i}", 1.0 + i, user="bob") for i in range(5)]
+    alice = job("a", 10.0, user="alice")
+    got = plan([*bobs, alice], [], live, lambda u: BIG, 20.0)
+    assert sorted(r.job_id for r, _ in got) == ["a", "b0"]  # one each, though bob's five came first
+
+
+def test_a_user_over_their_learner_share_waits_while_another_user_waits_for_a_learner():
+    live = pool(*(worker(f"l{i}", "learner") for i in range(3)), *(worker(f"r{i}", "rollout", slots=8) for i in range(4)))
+    share = lambda u: Quota(max_jobs=10, max_workers=20, learner_share=0.5)  # noqa: E731
+    held = [job("b0", 0.1, user="bob", placement=Placement(attempt=1, learner="l0", rollout=["r0"])),
+            # alice's inference jobs hold more workers than bob's one job: fair order alone would pick bob
+            job("ai", 0.2, user="alice", kind="inference", rollout_workers=4,
+                placement=Placement(attempt=1, rollout=["r0", "r1", "r2", "r3"]))]
+    live["l1"] = worker("l1", "learner", jobs=["x"])
+    busy = job("x", 0.0, user="carol", placement=Placement(attempt=1, learner="l1", rollout=["r1"]))
+    got = plan([job("b1", 1.0, user="bob"), job("a", 2.0, user="alice")], [*held, busy], live, share, 5.0)
+    assert [r.job_id for r, _ in got] == ["a"]  # bob holds 1 of 3 learner slots, his share: alice's job first
+    # with nobody else waiting, bob may use every free learner
+    got = plan([job("b1", 1.0, user="bob")], [*held, busy], live, share, 5.0)
+    assert [r.job_id for r, _ in got] == ["b1"]

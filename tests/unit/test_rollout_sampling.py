@@ -41,3 +41,50 @@ def test_tinkers_stop_field():
     for bad, match in (([], "not served"), ([1, "a"], "a string"), ([-1], "a string"), ({"x": 1}, "a string")):
         with pytest.raises(wire.WireError, match=match):
             wire.stops(bad)
+
+
+class CountingLetters(Letters):
+    def __init__(self):
+        self.decoded = 0  # tokens decoded in all
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_stop_strings_cost_a_few_decodes_whatever_their_number():
+    """Issue 30, item 7: matching re-decoded the whole prefix per stop string per token
+    (1,024 tokens x 16 strings: ~8.4M tokens decoded, inside the engine's lock)."""
+    n = 1024
+    ids = [i % 20 for i in range(n - 1)] + [25]  # "z" only at the very end
+    out = GenOut(token_ids=ids, logprobs=[-1.0] * n, finish_reason="length")
+    strings = [f"q{c}" for c in "abcdefghijklmno"] + ["z"]  # 16, one matching at the end
+    tok = CountingLetters()
+    got = cut_at_stop(out, req(stop_strings=strings), tok)
+    assert (len(got.tokens), got.stop_reason) == (n, "stop")
+    assert tok.decoded <= 12 * n, tok.decoded  # 1 + log2(1024) decodes of at most n tokens
+    tok = CountingLetters()
+    none = cut_at_stop(out, req(stop_strings=strings[:-1]), tok)
+    assert (len(none.tokens), none.stop_reason, tok.decoded) == (n, "length", n)
+    # the first token that completes a string, wherever it is
+    for at in (1, 2, 500, 1023):
+        seq = [0] * n
+        seq[at - 1] = 25
+        cut = cut_at_stop(GenOut(token_ids=seq, logprobs=[-1.0] * n, finish_reason="length"),
+                          req(stop_strings=["z"], stop_tokens=[24]), Letters())
+        assert len(cut.tokens) == at, at
+    # a stop token before the string wins
+    both = cut_at_stop(GenOut(token_ids=[0, 3, 25], logprobs=[-1.0] * 3, finish_reason="length"),
+                       req(stop_strings=["z"], stop_tokens=[3]), Letters())
+    assert both.tokens == [0, 3]
+
+
+def test_stops_are_bounded_at_the_edge():
+    from opentinker.schemas.tinker import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKENS
+
+    for bad, match in ((["a"] * (MAX_STOP_STRINGS + 1), "stop strings"),
+                       (["x" * (MAX_STOP_STRING_CHARS + 1)], "characters"),
+                       ("x" * (MAX_STOP_STRING_CHARS + 1), "characters"),
+                       (list(range(MAX_STOP_TOKENS + 1)), "stop tokens")):
+        with pytest.raises(wire.WireError, match=f"sampling_params.stop: .*{match}"):
+            wire.stops(bad)
