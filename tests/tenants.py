@@ -111,10 +111,7 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
     alice = await Client.connect(server.url, api_key=alice_key, api_url=api_url)
     bob = await Client.connect(server.url, api_key=bob_key, api_url=api_url)
     service = await Bus.connect(server.url, "attacker", nkeys_seed=str(server.service_seed_file))
-    spec = {"name": "alice", "model": tiny_model, "env": "arith", "engine": "hf", "steps": A_STEPS,
-            "prompts_per_step": 2, "group_size": 2, "lora_rank": 4, "checkpoint_every": 8,
-            "micro_batch_size": 4, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}}
-    job = await alice.submit(spec)
+    job = await alice.submit(alice_spec(tiny_model, "alice", A_STEPS))
     for _ in range(600):  # the attacks begin once alice's job trains
         if (await job.record()).placement is not None:
             break
@@ -135,6 +132,47 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
     await api.aclose()
     services.stop_all()
     server.stop()
+
+
+def alice_spec(model: str, name: str, steps: int) -> dict:
+    """The training job alice runs while bob attacks."""
+    return {"name": name, "model": model, "env": "arith", "engine": "hf", "steps": steps,
+            "prompts_per_step": 2, "group_size": 2, "lora_rank": 4, "checkpoint_every": 8,
+            "micro_batch_size": 4, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}}
+
+
+@dataclass
+class Training:
+    """A job of alice's training while a test module's attacks run, and its metrics."""
+
+    job: Any
+    steps: int
+    metrics: list = field(default_factory=list)
+    follower: asyncio.Task | None = None
+
+
+async def alice_trains(w: World, name: str, steps: int) -> Training:
+    """Submit a training job of alice's and follow its metrics."""
+    t = Training(await w.alice.submit(alice_spec(w.tiny_model, name, steps)), steps)
+
+    async def follow() -> None:
+        async for m in t.job.metrics():
+            t.metrics.append(m)
+
+    t.follower = asyncio.create_task(follow())
+    return t
+
+
+async def alice_completed(w: World, t: Training, timeout_s: float = 600) -> None:
+    """Assert alice's job completed with every step reported once, and no service exited."""
+    from opentinker.schemas import JobState
+
+    rec = await t.job.wait(timeout_s=timeout_s, raise_on_failure=False)
+    assert rec.state == JobState.COMPLETED, (rec.reason, w.services.logs())
+    await asyncio.wait_for(t.follower, 60)
+    steps = sorted(m.step for m in t.metrics if m.split == "train")
+    assert steps == list(range(t.steps)), steps
+    assert all(code is None for code in w.alive().values()), (w.alive(), w.services.logs())
 
 
 async def user_connection(url: str, key: str) -> tuple[nats.NATS, list[str]]:

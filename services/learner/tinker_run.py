@@ -138,6 +138,10 @@ class TinkerRun(RunLifecycle):
                     await m.term()
                 elif op.op == "close":
                     close = m
+                elif op.seq_id < 1:
+                    await self.bus.dead_letter(m, f"TinkerOp: seq_id {op.seq_id} (ops count from 1; 0 is the "
+                                                  "session's readiness)")
+                    await m.term()
                 elif op.seq_id <= done:
                     await m.ack()  # a redelivery of an op already answered
                 else:

@@ -536,7 +536,7 @@ class Gateway:
         try:
             raw = await self.bus.last_message(subject)
             if raw is not None:
-                return await self._answer(user, api_key, raw.data, job_id)
+                return await self._answer(user, api_key, raw.data or b"", job_id)
             deadline = time.monotonic() + POLL_S
             while (left := deadline - time.monotonic()) > 0:
                 try:
@@ -546,7 +546,7 @@ class Gateway:
                     if got is not None and got[0].state.terminal:
                         raw = await self.bus.last_message(subject)
                         if raw is not None:
-                            return await self._answer(user, api_key, raw.data, job_id)
+                            return await self._answer(user, api_key, raw.data or b"", job_id)
                         rec = got[0]
                         return {"error": f"job {watched} is {rec.state.value}"
                                          + (f": {rec.reason}" if rec.reason else ""), "category": "server"}

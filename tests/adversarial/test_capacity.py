@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 
 import httpx
@@ -25,10 +24,19 @@ from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import TinkerResult, TinkerSession
 from opentinker.services.tinker import wire
 
-from tenants import STORE_BYTES, TINKER_IDLE_S, TINKER_INFLIGHT_BYTES, TINKER_POLLS, bearer
+from tinker_sdk import run_sdk
+from tenants import (STORE_BYTES, TINKER_IDLE_S, TINKER_INFLIGHT_BYTES, TINKER_POLLS, alice_completed, alice_trains,
+                     bearer)
 
 tinker = pytest.importorskip("tinker")
 pytestmark = pytest.mark.timeout(900)
+ALICE_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+async def alice(world):
+    """Alice's job, training while this module's attacks run (her first may be over)."""
+    return await alice_trains(world, "alice-capacity", ALICE_STEPS)
 
 
 @contextlib.asynccontextmanager
@@ -49,8 +57,16 @@ async def open_model(http: httpx.AsyncClient, w) -> tuple[str, str, str]:
     return sid, mid, wire.job_of_model(mid)
 
 
-async def finish(http: httpx.AsyncClient, sid: str) -> None:
-    await http.post(f"/api/v1/sessions/{sid}/finish")
+async def finish(http: httpx.AsyncClient, sid: str, w=None, *jobs: str) -> None:
+    """Finish session `sid`, then wait for its model jobs `jobs` to end (their learner
+    takes the close once it holds them), so the next test starts with the learners free."""
+    r = await http.post(f"/api/v1/sessions/{sid}/finish")
+    assert r.status_code == 204, r.text
+    deadline = time.monotonic() + 300
+    for j in jobs:
+        while not (await w.service.job_record(j))[0].state.terminal:
+            assert time.monotonic() < deadline, (j, w.services.logs())
+            await asyncio.sleep(1.0)
 
 
 def fb_body(mid: str, seq: int, floats: int) -> bytes:
@@ -67,7 +83,7 @@ def fb_body(mid: str, seq: int, floats: int) -> bytes:
     return forward_backward_request_to_proto(req).SerializeToString()
 
 
-async def test_an_idle_session_and_a_tinker_job_of_no_session_are_ended(world):
+async def test_an_idle_session_and_a_tinker_job_of_no_session_are_ended(world, alice):
     """Item 4: a session that beats but sends nothing held its learner forever, and a
     tinker job submitted over the REST API was never ended at all."""
     async with tinker_http(world, world.bob_key) as http:
@@ -98,13 +114,13 @@ async def test_an_idle_session_and_a_tinker_job_of_no_session_are_ended(world):
     assert all(code is None for code in world.alive().values()), world.alive()
 
 
-async def test_one_tenants_burst_of_operations_is_capped_in_flight(world):
+async def test_one_tenants_burst_of_operations_is_capped_in_flight(world, alice):
     """Item 5: OT_TINKER (discard old) let ~90 large forward_backward ops evict other
     tenants' unconsumed ops and results; now one user's ops and samples in flight (sent,
     futures not retrieved) are capped in count and bytes."""
     floats = 256 * 1024  # a 1 MiB weights tensor per op
     async with tinker_http(world, world.bob_key) as http:
-        sid, mid, _ = await open_model(http, world)
+        sid, mid, job = await open_model(http, world)
         try:
             accepted, refused = 0, None
             for seq in range(1, 3 * TINKER_INFLIGHT_BYTES // (4 * floats) + 1):
@@ -119,19 +135,23 @@ async def test_one_tenants_burst_of_operations_is_capped_in_flight(world):
             assert "tinker_inflight_bytes_per_user" in refused.json()["detail"], refused.text
             assert accepted * 4 * floats <= TINKER_INFLIGHT_BYTES, accepted
             assert refused.headers.get("retry-after"), refused.headers
-            # alice's own ops are not bob's: her first op is taken though his are at the cap
+            # alice's own ops are not bob's: her op is taken though his are at the cap
             async with tinker_http(world, world.alice_key) as ah:
-                asid, amid, _ = await open_model(ah, world)
-                r = await ah.post("/api/v1/forward_backward", content=fb_body(amid, 1, 16),
-                                  headers={"content-type": "application/x-protobuf"})
-                assert r.status_code == 200, r.text
-                await finish(ah, asid)
-        finally:
-            await finish(http, sid)
+                asid, amid, ajob = await open_model(ah, world)
+                try:
+                    r = await ah.post("/api/v1/forward_backward", content=fb_body(amid, 1, 16),
+                                      headers={"content-type": "application/x-protobuf"})
+                    assert r.status_code == 200, r.text
+                finally:
+                    await finish(http, sid, world, job)  # bob's first: his model may hold the learner hers needs
+                    await finish(ah, asid, world, ajob)
+        except BaseException:
+            await http.post(f"/api/v1/sessions/{sid}/finish")
+            raise
     assert all(code is None for code in world.alive().values()), world.alive()
 
 
-async def test_stop_strings_are_bounded_and_bad_prompts_are_a_400(world):
+async def test_stop_strings_are_bounded_and_bad_prompts_are_a_400(world, alice):
     """Items 5 and 7: a sample's `stop` was unbounded (each string re-decoded the whole
     prefix per token inside the engine lock every job of the base model shares)."""
     async with tinker_http(world, world.bob_key) as http:
@@ -159,7 +179,7 @@ async def test_stop_strings_are_bounded_and_bad_prompts_are_a_400(world):
             await finish(http, sid)
 
 
-async def test_long_polls_are_capped_per_user_and_answered_by_push(world):
+async def test_long_polls_are_capped_per_user_and_answered_by_push(world, alice):
     """Item 8: every open retrieve_future did a JetStream get every 50 ms, uncapped:
     1,000 polls on a future that never completes made ~20k NATS requests/s."""
     async with tinker_http(world, world.bob_key) as http:
@@ -191,35 +211,28 @@ async def test_long_polls_are_capped_per_user_and_answered_by_push(world):
             r = await http.post("/api/v1/retrieve_future", json={"request_id": wire.request_id(job_id, 951)})
             assert r.status_code == 200 and "does not decode" in r.json()["error"], r.text
         finally:
-            await finish(http, sid)
+            await finish(http, sid, world, job_id)
     assert all(code is None for code in world.alive().values()), world.alive()
 
 
-async def test_saves_are_capped_per_user(world):
+async def test_saves_are_capped_per_user(world, alice):
     """Item 5: `ot_weights` / `ot_checkpoints` had no limit, so one tenant's saves could
     fill the stores every job checkpoints to."""
 
-    def saves() -> tuple[int, str]:
-        env = {"TINKER_BASE_URL": world.tinker_url, "TINKER_API_KEY": f"tml-{world.bob_key}", "TINKER_TELEMETRY": "0"}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            with tinker.ServiceClient() as sc:
-                tc = sc.create_lora_training_client(base_model=world.tiny_model, rank=4, seed=0).result()
-                for i in range(64):
-                    try:
-                        tc.save_state(f"s{i}").result()
-                    except tinker.RequestFailedError as e:
-                        return i, str(e)
-                return 64, ""
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    def saves(sc) -> tuple[int, str]:
+        tc = sc.create_lora_training_client(base_model=world.tiny_model, rank=4, seed=0).result()
+        for i in range(64):
+            try:
+                tc.save_state(f"s{i}").result()
+            except tinker.RequestFailedError as e:
+                return i, str(e)
+        return 64, ""
 
-    n, error = await asyncio.to_thread(saves)
+    n, error = await asyncio.to_thread(run_sdk, world.tinker_url, f"tml-{world.bob_key}", saves)
     assert 1 <= n < 64 and "store_bytes_per_user" in error, (n, error)
     assert str(STORE_BYTES) in error, error
     assert all(code is None for code in world.alive().values()), world.alive()
+
+
+async def test_zz_alices_job_completed_meanwhile(world, alice):
+    await alice_completed(world, alice)

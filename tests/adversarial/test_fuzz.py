@@ -13,18 +13,36 @@ while a job trains:
   error, an error reply) or dead-lettered by a consumer with the reason; none may crash
   a service or touch the job that trains meanwhile.
 
-Every message carries a header `Ot-Fuzz: <n>`; dead letters keep the original headers,
-so the accounting is per message. The counts are printed (run with -s to see them).
+Then the Tinker API path, with a session of bob's open (a model on a learner, a sampling
+session on the rollout worker), 1,000 more drawn messages and a few hand-made ones:
+
+- 100 as bob on his own session's ops, results and rollout subjects: each refused by
+  nats-server.
+- as a service: 400 TinkerOps on `ot.job.<job>.ops.<seq>` and `.ops.close` (each
+  dead-lettered by the learner holding the session), 300 TinkerSamples (`Ot-Schema:
+  TinkerSample`) on rollout subjects (each dead-lettered by the rollout worker, or, well
+  formed, answered on its sampler's results subject), and 300 TinkerResults /
+  TinkerSamples on `ot.job.<job|sampler>.results.<seq>`, whose futures bob then retrieves:
+  each answered with HTTP 200 (an error for a result that does not decode), never a 5xx.
+  The session then still trains, samples, closes and completes.
+
+Every message carries a header `Ot-Fuzz: <n>` (`t<n>` on the Tinker path); dead letters
+keep the original headers, so the accounting is per message. The counts are printed (run
+with -s to see them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import struct
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import nats
 import pytest
@@ -35,9 +53,11 @@ from opentinker.schemas import (
     CancelJob, CancelReply, EnvCloseRequest, EnvInfoReply, EnvInfoRequest, EnvInitReply, EnvInitRequest,
     EnvResetReply, EnvResetRequest,
     EnvStepReply, EnvStepRequest, JobAssigned, JobSpec, JobState, JobStateChanged, Metrics, RolloutRequest,
-    SubmitJob, SubmitReply, Trajectory, TurnRecord, WeightsPublished, decode,
+    SubmitJob, SubmitReply, Trajectory, TurnRecord, WeightsPublished, decode, encode, schema_name,
 )
 from opentinker.schemas import subjects as S
+from opentinker.schemas.tinker import (AdamParams, SampledSequence, TinkerDatum, TinkerOp, TinkerResult,
+                                       TinkerSample, TinkerSamples, TinkerTensor)
 from opentinker.services.core.natsauth import CALLOUT_SUBJECT
 
 from tenants import dead_letters, user_connection
@@ -115,12 +135,13 @@ def _set(obj: Any, path: tuple, value: Any) -> Any:
 
 
 @st.composite
-def bad_payload(draw, kind: str) -> bytes:
-    """One malformed, boundary-valued or mismatched payload for a message of `kind`."""
-    template = TEMPLATES[kind]
+def bad_payload(draw, kind: str, template: msgspec.Struct | None = None) -> bytes:
+    """One malformed, boundary-valued or mismatched payload for a message of `kind`
+    (made from `template`, by default TEMPLATES[kind])."""
+    template = template if template is not None else TEMPLATES[kind]
     if template is None:  # the auth callout: anything but a sealed authorization request
         return draw(st.one_of(st.binary(max_size=2000), junk.map(msgspec.msgpack.encode)))
-    base = msgspec.to_builtins(template)
+    base = msgspec.to_builtins(template, builtin_types=(bytes,))  # bytes stay bytes (msgpack bin)
     # each variant's share: oversized ones are 1 in 21 (they are costly to send)
     how = draw(st.sampled_from(["bytes"] * 3 + ["junk"] * 3 + ["wrong_type"] * 4 + ["edge_int"] * 4
                                + ["missing"] * 3 + ["mismatch"] * 3 + ["huge"]))
@@ -315,6 +336,375 @@ async def test_ten_thousand_bad_messages_crash_nothing_and_are_each_refused_or_d
     steps = sorted(m.step for m in await svc.read_subject(S.job(job.id, "metrics"), Metrics) if m.split == "train")
     assert steps == list(range(6)), steps
     assert all(code is None for code in world.alive().values()), (world.alive(), world.services.logs())
+
+
+# -- the Tinker API path: a session's ops, its futures' results, its samples ------------
+
+TINKER_COUNTS = {"op": 300, "close": 100, "result": 200, "samples": 100, "sample": 300}
+RESULT_SEQ, SAMPLE_SEQ = 100_000, 200_000  # the fuzzed results' seq ids, and the fuzzed samples' answers'
+TINKER_DEAD_LETTERER = {"op": "learner", "close": "learner", "sample": "rollout"}
+N_USER_TINKER = 100
+
+
+def tinker_templates(job: str, sampler: str, sampling_job: str, attempt: int) -> dict[str, msgspec.Struct]:
+    """A valid message of each kind of the Tinker path, for bob's session (model job
+    `job`; sampling session `sampler`, served by `sampling_job` at `attempt`). An op names
+    its job but is never sent on its own subject (seq 1, sent on ops.7 or ops.close): no
+    fuzzed op executes; a close names another job: none ends the session."""
+    datum = TinkerDatum(tokens=[1, 2, 3], inputs={
+        "target_tokens": TinkerTensor(dtype="int64", shape=[3], data=struct.pack("<3q", 2, 3, 4)),
+        "weights": TinkerTensor(dtype="float32", data=struct.pack("<3f", 1.0, 1.0, 1.0))})
+    return {"op": TinkerOp(job_id=job, seq_id=1, op="forward_backward", data=[datum], loss_fn="cross_entropy",
+                           loss_fn_config={"beta": 0.1}, adam=AdamParams(), name="fz", path=f"{job}/fz"),
+            "close": TinkerOp(job_id="fz-template", seq_id=0, op="close"),
+            "result": TinkerResult(job_id=job, seq_id=1, op="forward_backward", metrics={"loss:sum": 1.0},
+                                   logprobs=[TinkerTensor(dtype="float32", shape=[3],
+                                                          data=struct.pack("<3f", -0.5, -1.0, -2.0))]),
+            "samples": TinkerSamples(sampler=sampler, seq_id=1, prompt_logprobs=[-1.0, -2.0], sequences=[
+                SampledSequence(tokens=[5, 6], logprobs=[-0.5, -1.0], stop_reason="length")]),
+            "sample": TinkerSample(job_id=sampling_job, sampler=sampler, seq_id=1, attempt=attempt, tokens=[1, 2, 3],
+                                   max_tokens=4, stop_tokens=[2], stop_strings=["x"])}
+
+
+def tinker_subject(kind: str, n: int, job: str, sampler: str, sampling_job: str) -> str:
+    if kind == "op":
+        return S.tinker_close(job) if n % 3 == 0 else S.tinker_op(job, 7)
+    if kind == "close":
+        return S.tinker_close(job) if n % 4 else S.tinker_op(job, 9)
+    if kind == "result":  # each its own future, retrieved below
+        return S.tinker_result(job, RESULT_SEQ + n)
+    if kind == "samples":
+        return S.tinker_result(sampler, RESULT_SEQ + n)
+    # a sample: on its sampling job's subject, 1 in 4 on another job's
+    return S.rollout(sampling_job if n % 4 else JOBS[(n // 4) % len(JOBS)], ROLLOUT)
+
+
+def _with_seq(payload: bytes, seq: int) -> bytes:
+    """`payload` with seq_id `seq` if it decodes as a TinkerSample (a worker that serves
+    it answers on `results.<seq>`: each answer is told apart), else as it is."""
+    try:
+        decode(payload, TinkerSample)
+    except msgspec.MsgspecError:
+        return payload
+    return msgspec.msgpack.encode({**msgspec.msgpack.decode(payload), "seq_id": seq})
+
+
+def _decodes(payload: bytes, kind: type) -> bool:
+    try:
+        decode(payload, kind)
+        return True
+    except msgspec.MsgspecError:
+        return False
+
+
+async def _tinker_answer(http: httpx.AsyncClient, rid: str) -> tuple[int, Any]:
+    """retrieve_future(`rid`): (HTTP status, the JSON body, the protobuf bytes or the
+    text); status 0 and the error when the service does not answer at all."""
+    for attempt in range(3):  # a pooled connection the server closed (after a 500, say): once more
+        try:
+            r = await http.post("/api/v1/retrieve_future", json={"request_id": rid})
+            break
+        except httpx.TransportError as e:
+            if attempt == 2:
+                return 0, repr(e)
+            await asyncio.sleep(0.5)
+    if r.headers.get("content-type", "").startswith("application/json"):
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            pass
+    return r.status_code, r.content if r.status_code == 200 else r.text[:300]
+
+
+def _tracebacks(log_dir: Path, pattern: str = "tinker-*.log") -> list[str]:
+    """The tracebacks in the logs of the services `pattern` names (each with the line
+    before it, which says what failed)."""
+    out = []
+    for f in sorted(log_dir.glob(pattern)):
+        lines = f.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("Traceback (most recent call last)"):
+                end = next((j for j in range(i + 1, len(lines)) if lines[j] and not lines[j][0].isspace()
+                            and not lines[j].startswith(("Traceback", "During handling", "The above"))), len(lines))
+                out.append("\n".join(lines[max(i - 1, 0):end + 1]))
+    return out
+
+
+async def _until_answered(http: httpx.AsyncClient, rid: str, timeout_s: float) -> tuple[int, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = await _tinker_answer(http, rid)
+        if not (status == 200 and isinstance(body, dict) and body.get("type") == "try_again") \
+                or time.monotonic() > deadline:
+            return status, body
+
+
+async def test_bad_tinker_ops_results_and_samples_are_each_refused_or_answered_with_an_error(world):
+    """The Tinker API path, with a session of bob's open (a model placed on a learner, a
+    sampling session on the rollout worker):
+
+    - as a tenant, bob publishes on his own session's subjects: each refused by nats-server;
+    - as a service: TinkerOps on `ot.job.<job>.ops.<seq>` / `.ops.close` (each dead-lettered
+      by the learner holding the session), TinkerSamples with `Ot-Schema: TinkerSample` on
+      rollout subjects (each dead-lettered by the rollout worker, or, well formed, answered
+      on the sampler's results), TinkerResults / TinkerSamples on `ot.job.<job|sampler>.
+      results.<seq>` (each future then answered by the tinker service: a malformed result
+      with an error, HTTP 200, never a 5xx);
+    - afterwards the session still trains and samples, closes and completes; no service exits.
+    """
+    svc = world.service
+    http = httpx.AsyncClient(base_url=world.tinker_url, timeout=60, headers={"X-API-Key": f"tml-{world.bob_key}"})
+    r = await http.post("/api/v1/create_session", json={})
+    assert r.status_code == 200, r.text
+    session = r.json()["session_id"]
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(10)
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post("/api/v1/session_heartbeat", json={"session_id": session})
+
+    beating = asyncio.create_task(beat())
+    job, sampling_job = f"{session}-m0", f"{session}-sampling"
+    finished = False
+    try:
+        r = await http.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                          "base_model": world.tiny_model, "lora_config": {"rank": 4}})
+        assert r.status_code == 200, r.text
+        mid = r.json()["model_id"]
+        r = await http.post("/api/v1/create_sampling_session", json={"session_id": session,
+                                                                     "sampling_session_seq_id": 0,
+                                                                     "base_model": world.tiny_model})
+        assert r.status_code == 200, r.text
+        sampler = r.json()["sampling_session_id"]
+        # the model is ready once its learner holds it (one of two: alice's job may hold the other)
+        status, ready = await _until_answered(http, f"{job}.0", timeout_s=600)
+        assert status == 200 and ready == {"model_id": mid}, (status, ready, world.services.logs())
+        for _ in range(600):
+            rec, _ = await svc.job_record(sampling_job)
+            if rec.placement is not None and rec.placement.rollout:
+                break
+            await asyncio.sleep(0.2)
+        assert rec.placement.rollout == [ROLLOUT], rec
+        attempt = rec.attempt
+
+        templates = tinker_templates(job, sampler, sampling_job, attempt)
+        t_gen = time.monotonic()
+        msgs = [(kind, payload) for kind, n in TINKER_COUNTS.items()
+                for payload in draw_all(bad_payload(kind, templates[kind]), n)]
+        # and past the server's max_payload: refused before it leaves the client
+        big = b"\x92" + b"\xff" * (8 * 1024 * 1024 + 1)
+        firsts = {}
+        for n, (kind, _) in enumerate(msgs):
+            firsts.setdefault(kind, n)
+        for n in firsts.values():
+            msgs[n] = (msgs[n][0], big)
+        msgs = [(kind, _with_seq(p, SAMPLE_SEQ + n) if kind == "sample" else p) for n, (kind, p) in enumerate(msgs)]
+        gen_s = time.monotonic() - t_gen
+        # well formed, each naming the wrong job, subject, attempt or sampler (`why`: the
+        # dead letter's reason says so), or a prompt the worker answers with an error
+        extras: list[tuple[str, str, msgspec.Struct, str]] = [
+            ("op", S.tinker_op(job, 4), TinkerOp(job_id=job, seq_id=3, op="optim_step", adam=AdamParams()), "came on"),
+            ("op", S.tinker_op(job, 2), TinkerOp(job_id=job, seq_id=2, op="close"), "came on"),
+            ("op", S.tinker_close(job), TinkerOp(job_id=job, seq_id=5, op="save_state", name="fz"), "came on"),
+            ("op", S.tinker_op(job, 1), TinkerOp(job_id=world.a_job, seq_id=1, op="forward"), "came on"),
+            ("close", S.tinker_close(job), TinkerOp(job_id=world.a_job, seq_id=0, op="close"), "came on"),
+            ("sample", S.rollout(job, ROLLOUT), TinkerSample(job_id=job, sampler=sampler, seq_id=SAMPLE_SEQ - 1,
+                                                             attempt=1, tokens=[1]), "not an inference job"),
+            ("sample", S.rollout(sampling_job, ROLLOUT), TinkerSample(
+                job_id=sampling_job, sampler=sampler, seq_id=SAMPLE_SEQ - 3, attempt=attempt + 1, tokens=[1]),
+             f"at attempt {attempt + 1}"),
+            ("sample", S.rollout(sampling_job, ROLLOUT), TinkerSample(
+                job_id=sampling_job, sampler="Not.A-Sampler", seq_id=1, attempt=attempt, tokens=[1]), "`sampler`"),
+            ("sample", S.rollout("fz-nojob", ROLLOUT), TinkerSample(job_id="fz-nojob", sampler=sampler,
+                                                                    seq_id=SAMPLE_SEQ - 4, tokens=[1]), "no job"),
+            ("sample", S.rollout(sampling_job, ROLLOUT), TinkerSample(
+                job_id=sampling_job, sampler=sampler, seq_id=SAMPLE_SEQ - 5, attempt=attempt, tokens=[2**31 - 1]),
+             "answered: vocabulary"),
+            ("sample", S.rollout(sampling_job, ROLLOUT), TinkerSample(
+                job_id=sampling_job, sampler=sampler, seq_id=SAMPLE_SEQ - 6, attempt=attempt, tokens=[]),
+             "answered: prompt"),
+        ]
+
+        # -- as a tenant, on his own session's subjects: every publish refused by nats-server
+        nc, errors = await user_connection(world.server.url, world.bob_key)
+        user_subjects = [S.tinker_op(job, 1), S.tinker_close(job), S.tinker_result(job, 1),
+                         S.tinker_result(sampler, 1), S.rollout(sampling_job, ROLLOUT)]
+        for i in range(N_USER_TINKER):
+            await nc.publish(user_subjects[i % len(user_subjects)], msgs[(i * 7919) % len(msgs)][1][:4096],
+                             headers={S.H_SCHEMA: "TinkerSample"})
+        await nc.flush()
+        for _ in range(100):
+            if len(errors) >= N_USER_TINKER:
+                break
+            await asyncio.sleep(0.1)
+        user_refused = sum("permissions violation for publish" in e.lower() for e in errors)
+        await nc.close()
+
+        # -- as a service
+        answers: dict[int, bytes] = {}  # a sample's seq id -> the worker's answer (its results subject)
+
+        async def on_answer(m) -> None:
+            answers[int(m.subject.rsplit(".", 1)[1])] = m.data
+
+        answer_sub = await svc.nc.subscribe(f"ot.job.{sampler}.results.*", cb=on_answer)
+        since = time.time()
+        outcome: dict[int, str] = {}
+        kinds: dict[int, str] = {}
+        subjects: dict[int, str] = {}
+        payloads: dict[int, bytes] = {}
+        expected: dict[int, str] = {}
+        t0 = time.monotonic()
+        sends = [(kind, tinker_subject(kind, n, job, sampler, sampling_job), p) for n, (kind, p) in enumerate(msgs)]
+        sends += [(kind, subject, encode(msg), why) for kind, subject, msg, why in extras]
+        for n, (kind, subject, payload, *why) in enumerate(sends):
+            kinds[n], subjects[n], payloads[n] = kind, subject, payload
+            if why:
+                expected[n] = why[0]
+            headers = {FUZZ_HEADER: f"t{n}", S.H_SCHEMA: schema_name(type(templates[kind]))}
+            try:
+                await svc.js.publish(subject, payload, headers=headers, timeout=10)
+            except nats.errors.MaxPayloadError:
+                outcome[n] = "refused: over max_payload"
+            except nats.js.errors.APIError as e:
+                outcome[n] = f"refused: {e.description}"
+        publish_s = time.monotonic() - t0
+
+        def answer_seq(payload: bytes) -> int | None:
+            """The seq id a rollout worker would answer a sample on (None: undecodable)."""
+            try:
+                return decode(payload, TinkerSample).seq_id
+            except msgspec.MsgspecError:
+                return None
+
+        seqs = {n: answer_seq(payloads[n]) for n in kinds if kinds[n] == "sample"}
+        consumed = [n for n in kinds if kinds[n] in TINKER_DEAD_LETTERER and n not in outcome]
+
+        def lettered_of(letters) -> dict[int, list]:
+            out: dict[int, list] = {}
+            for d in letters:
+                h = d.headers.get(FUZZ_HEADER, "")
+                if h.startswith("t"):
+                    out.setdefault(int(h[1:]), []).append(d)
+            return out
+
+        def settled(letters) -> bool:
+            lettered = lettered_of(letters)
+            return all(n in lettered or (kinds[n] == "sample" and seqs[n] in answers) for n in consumed)
+
+        letters = await dead_letters(svc, "*", since, settled, timeout_s=300)
+        await answer_sub.unsubscribe()
+        lettered = lettered_of(letters)
+        wrong_letterer, wrong_reason, unaccounted = [], [], []
+        for n in consumed:
+            kind = kinds[n]
+            if n in lettered:
+                outcome[n] = "dead-lettered"
+                d = lettered[n][0]
+                if {x.service for x in lettered[n]} != {TINKER_DEAD_LETTERER[kind]} or not d.reason:
+                    wrong_letterer.append((n, kind, [(x.service, x.reason[:120]) for x in lettered[n]]))
+                if n in expected and expected[n] not in d.reason:
+                    wrong_reason.append((n, kind, expected[n], d.reason[:200]))
+            elif kind == "sample" and seqs[n] in answers:
+                outcome[n] = "answered"
+                if n in expected and not expected[n].startswith("answered: "):
+                    wrong_reason.append((n, kind, expected[n], "answered"))
+            else:
+                unaccounted.append((n, kind, subjects[n], payloads[n][:80]))
+
+        # -- every future the fuzzed results (and the samples served) answer, by the tinker
+        # service: an answer (an error for what does not decode), HTTP 200, never a 5xx
+        retrieved: dict[int, tuple[int, Any]] = {}
+        gate = asyncio.Semaphore(4)
+
+        async def get(n: int, rid: str) -> None:
+            async with gate:
+                retrieved[n] = await _tinker_answer(http, rid)
+
+        futures = {n: (f"{job}.{RESULT_SEQ + n}" if kinds[n] == "result" else f"{sampler}.{RESULT_SEQ + n}")
+                   for n in kinds if kinds[n] in ("result", "samples") and n not in outcome}
+        futures |= {n: f"{sampler}.{seqs[n]}" for n in kinds if outcome.get(n) == "answered"}
+        t1 = time.monotonic()
+        await asyncio.gather(*(get(n, rid) for n, rid in futures.items()))
+        retrieve_s = time.monotonic() - t1
+        server_errors, no_error = [], []
+        for n, (status, body) in sorted(retrieved.items()):
+            kind = kinds[n]
+            malformed = kind in ("result", "samples") and not _decodes(
+                payloads[n], TinkerResult if kind == "result" else TinkerSamples)
+            if status >= 500 or status == 0 or (isinstance(body, dict) and body.get("type") == "try_again"):
+                server_errors.append((n, kind, futures[n], status, body if isinstance(body, (dict, str)) else "bytes",
+                                      payloads[n][:60]))
+            elif kind in ("result", "samples"):
+                outcome[n] = ("answered: error" if isinstance(body, dict) and "error" in body
+                              else f"answered: HTTP {status}" if status != 200 else "answered")
+                if malformed and outcome[n] != "answered: error":
+                    no_error.append((n, kind, status, body if isinstance(body, (dict, str)) else body[:60]))
+            elif n in expected and expected[n].startswith("answered: "):
+                word = expected[n].removeprefix("answered: ")
+                if not (status == 200 and isinstance(body, dict) and word in body.get("error", "")):
+                    wrong_reason.append((n, kind, expected[n], status, body))
+        # the same future twice: a server error on a result is for good (the stream keeps it)
+        again = [(n, await _tinker_answer(http, futures[n])) for n, *_ in server_errors[:3]]
+        unretrieved = [n for n in futures if n not in retrieved]
+
+        by_kind = Counter((kinds[n], outcome.get(n, "?").split(":")[0]) for n in kinds)
+        print(f"\ntinker fuzz: generated {len(msgs)} in {gen_s:.1f} s; as a tenant {N_USER_TINKER} sent, "
+              f"{user_refused} refused; as a service {len(sends)} sent in {publish_s:.1f} s: "
+              f"{sum(o == 'dead-lettered' for o in outcome.values())} dead-lettered, "
+              f"{sum(o.startswith('refused') for o in outcome.values())} refused, "
+              f"{sum(o.startswith('answered') for o in outcome.values())} answered; "
+              f"{len(retrieved)} futures retrieved in {retrieve_s:.1f} s, {len(server_errors)} server errors, "
+              f"{len(no_error)} malformed results answered without an error; "
+              f"unaccounted {len(unaccounted)}")
+        print("by kind:", dict(sorted(by_kind.items())))
+        for n, kind, rid, status, body, head in server_errors[:5]:
+            print(f"  server error: {kind} #{n} future {rid}: HTTP {status} {str(body)[:120]!r} (payload {head!r})")
+        tracebacks = _tracebacks(world.services.log_dir)
+        if tracebacks:
+            print(f"the tinker service's log holds {len(tracebacks)} tracebacks; the first:\n{tracebacks[0]}")
+
+        # the session goes on after all that: an op executes in order, a prompt is sampled
+        r = await http.post("/api/v1/optim_step", json={"model_id": mid, "seq_id": 1,
+                                                        "adam_params": {"learning_rate": 1e-4}})
+        assert r.status_code == 200, r.text
+        step = await _until_answered(http, r.json()["request_id"], timeout_s=300)
+        r = await http.post("/api/v1/asample", json={
+            "sampling_session_id": sampler, "seq_id": 1, "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "sampling_params": {"max_tokens": 4}})
+        assert r.status_code == 200, r.text
+        sampled = await _until_answered(http, r.json()["request_id"], timeout_s=300)
+        r = await http.post(f"/api/v1/sessions/{session}/finish")
+        finished = r.status_code == 204
+        assert finished, r.text
+    finally:
+        beating.cancel()
+        if not finished:
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post(f"/api/v1/sessions/{session}/finish")
+        # the learner is freed for the tests after this one
+        for _ in range(900):
+            got = [await svc.job_record(j) for j in (job, sampling_job)]
+            if all(g is None or g[0].state.terminal for g in got):
+                break
+            await asyncio.sleep(0.2)
+        await http.aclose()
+
+    assert user_refused == N_USER_TINKER, errors[:5]
+    assert not unaccounted, unaccounted[:5]
+    assert not wrong_letterer, wrong_letterer[:5]
+    assert not wrong_reason, wrong_reason[:5]
+    assert not unretrieved, unretrieved[:5]
+    assert step[0] == 200 and isinstance(step[1], dict) and "metrics" in step[1], step
+    assert sampled[0] == 200 and isinstance(sampled[1], bytes), sampled
+    assert got[0] is not None and got[0][0].state == JobState.COMPLETED, (got[0], world.services.logs())
+    assert got[1] is not None and got[1][0].state == JobState.CANCELLED, got[1]
+    assert all(code is None for code in world.alive().values()), (world.alive(), world.services.logs())
+    assert not no_error, no_error[:5]
+    assert not server_errors, (f"{len(server_errors)} futures answered with a server error, e.g. "
+                               f"{server_errors[:3]}; asked again: {again}; the tinker service's first traceback "
+                               f"(of {len(tracebacks)}):\n{tracebacks[0] if tracebacks else '(none)'}")
 
 
 # -- the replies of a tenant's own envhost: untrusted input to the rollout ----------------

@@ -23,9 +23,15 @@ from opentinker.schemas import SubmitJob, SubmitReply
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import spec_from_dict
 
-from tenants import FINISHED_KEPT as FINISHED_PER_USER, MAX_UNFINISHED, World, bearer
+from tenants import FINISHED_KEPT as FINISHED_PER_USER, MAX_UNFINISHED, World, alice_completed, alice_trains, bearer
 
 pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+async def alice(world):
+    """Alice's job, training while this module's attacks run (her first may be over)."""
+    return await alice_trains(world, "alice-records", 8)
 
 FINISHED = ("completed", "failed", "cancelled")
 LOOP = FINISHED_PER_USER + 5
@@ -47,7 +53,7 @@ def nothing_exited(w: World) -> None:
     assert all(code is None for code in w.alive().values()), (w.alive(), w.services.logs())
 
 
-async def test_a_burst_of_parallel_submits_gets_no_more_than_the_unfinished_jobs_limit(world):
+async def test_a_burst_of_parallel_submits_gets_no_more_than_the_unfinished_jobs_limit(world, alice):
     already = sum(1 for j in await bobs_jobs(world) if j["state"] not in FINISHED)
     room = max(0, MAX_UNFINISHED - already)
     body = {"spec": unplaceable(world, "bob-burst")}
@@ -65,8 +71,9 @@ async def test_a_burst_of_parallel_submits_gets_no_more_than_the_unfinished_jobs
             assert a.status_code == 409, a.text
             refusals.append((a.json()["detail"].get("field"), a.json()["detail"]["error"]))
     try:
-        assert len(accepted) == room, (already, accepted, refusals)
-        assert len(refusals) == len(answers) - room
+        # bob's jobs from earlier tests may end meanwhile (more room), none start
+        assert room <= len(accepted) <= MAX_UNFINISHED, (already, accepted, refusals)
+        assert len(refusals) == len(answers) - len(accepted)
         for field, error in refusals:
             assert field == "job_id" and "max_unfinished_jobs_per_user" in error, (field, error)
         unfinished = [j for j in await bobs_jobs(world) if j["state"] not in FINISHED]
@@ -79,7 +86,7 @@ async def test_a_burst_of_parallel_submits_gets_no_more_than_the_unfinished_jobs
     nothing_exited(world)
 
 
-async def test_a_submit_then_cancel_loop_keeps_only_the_newest_finished_records(world):
+async def test_a_submit_then_cancel_loop_keeps_only_the_newest_finished_records(world, alice):
     loop: list[str] = []
     for i in range(LOOP):
         r = await world.api.post("/v1/jobs", json={"spec": unplaceable(world, f"bob-loop-{i}")},
@@ -117,3 +124,7 @@ async def test_a_submit_then_cancel_loop_keeps_only_the_newest_finished_records(
     r = await world.api.get(f"/v1/jobs/{world.a_job}", headers=bearer(world.alice_key))
     assert r.status_code == 200 and r.json()["user"] == "alice", r.text
     nothing_exited(world)
+
+
+async def test_zz_alices_job_completed_meanwhile(world, alice):
+    await alice_completed(world, alice)

@@ -9,7 +9,6 @@ saves unreachable; what is not served fails at once, naming itself."""
 
 import asyncio
 import math
-import os
 
 import httpx
 import numpy as np
@@ -22,6 +21,8 @@ from opentinker.services.core.users import Users
 
 tinker = pytest.importorskip("tinker")
 
+from tinker_sdk import run_sdk  # noqa: E402
+
 
 def datum(tokens: list[int], **inputs) -> "tinker.Datum":
     """Tinker's next-token alignment: position i of the input predicts tokens[i + 1]."""
@@ -29,23 +30,6 @@ def datum(tokens: list[int], **inputs) -> "tinker.Datum":
     arrays.update({k: np.asarray(v, dtype=np.float32) for k, v in inputs.items()})
     return tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]),
                         loss_fn_inputs={k: tinker.TensorData.from_numpy(v) for k, v in arrays.items()})
-
-
-def run_sdk(base_url: str, key: str, fn):
-    """Run `fn(service_client)` with the SDK configured as a user would: environment
-    variables only."""
-    env = {"TINKER_BASE_URL": base_url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with tinker.ServiceClient() as sc:
-            return fn(sc)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture
