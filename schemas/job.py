@@ -80,9 +80,10 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     One step samples `prompts_per_step` groups of `group_size` episodes each.
 
     Credit (`advantage`): "episode" gives every policy token of an episode the group-
-    normalized episode return (GRPO); "turn" gives the tokens of turn t the group-
-    normalized discounted return from turn t on, R_t = r_t + turn_discount * R_{t+1}
-    (OpenTinker's per-step GRPO, after GTPO arXiv 2511.17052).
+    normalized episode return (GRPO); "turn" gives the tokens of turn t the discounted
+    return from turn t on, R_t = r_t + turn_discount * R_{t+1}, normalized against turn
+    t of the group's other episodes (learner/loss.py turn_advantages; GiGPO's step-level
+    groups, arXiv 2505.10978).
 
     Evaluation: every `eval_every` steps (0 = never; also after the last step) the
     learner samples `eval_episodes` episodes of `eval_split` at `eval_temperature`

@@ -75,6 +75,20 @@ def group_seed(seed: int, step: int, group_index: int, refill: int = 0) -> int:
     return derived_seed(seed, step, group_index) if refill == 0 else derived_seed("refill", seed, step, group_index, refill)
 
 
+# a train step's per-token averages (engine.train_step; the IS weights and the sampler /
+# learner gap "mismatch_kl" are loss.rollout_is_weights')
+TOKEN_STATS = ("kl", "approx_kl", "entropy", "clip_frac", "is_weight_mean", "is_capped_frac", "mismatch_kl")
+
+
+def token_stats(out: dict[str, float]) -> dict[str, float]:
+    """The step's TOKEN_STATS from engine.train_step's `out`, or none at all when it
+    forwarded no policy token (every group skipped or excluded): such a step has no
+    entropy or KL, and a 0 would read as one (plots dived to 0 on those steps)."""
+    if not out.get("tokens"):
+        return {}
+    return {k: out[k] for k in TOKEN_STATS}
+
+
 @dataclass
 class Held:
     """A trajectory the learner holds until its step is trained, and its message to ack."""
@@ -551,10 +565,7 @@ class JobRun(RunLifecycle):
             **episode_stats(trajs),  # reward_mean/std, correct_frac, lengths, turns, error_frac, episodes
             **seat_stats(trajs),     # reward_mean/<seat> of a multi-agent job
             **lag_stats(trajs),      # policy_lag_mean/max
-            "kl": out["kl"],
-            "approx_kl": out["approx_kl"],
-            "entropy": out["entropy"],
-            "clip_frac": out["clip_frac"],
+            **token_stats(out),      # kl, entropy, clip_frac, ...: none for a step that forwarded no token
             "loss": out["loss"],
             "grad_norm": out["grad_norm"],
             "tokens_per_s": gen_tokens / max(step_s, 1e-9),
@@ -571,10 +582,6 @@ class JobRun(RunLifecycle):
             # no wasted compute: groups without signal, episodes not forwarded at all
             "zero_variance_frac": out["zero_variance_frac"],
             "skipped_frac": out["skipped_frac"],
-            # the behaviour-policy correction (async, sampler/learner gap): loss.rollout_is_weights
-            "is_weight_mean": out["is_weight_mean"],
-            "is_capped_frac": out["is_capped_frac"],
-            "mismatch_kl": out["mismatch_kl"],
             "lr": out["lr"],
             "updates": out["updates"],
             "fwd_bwd_s": out["fwd_bwd_s"],

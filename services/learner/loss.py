@@ -90,36 +90,31 @@ def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
 
 def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: float,
                     estimator: str = "grpo") -> list[list[list[float]]]:
-    """Turn-level GRPO advantages (OpenTinker's per-step GRPO).
+    """Turn-level group-relative advantages, each turn baselined against the same turn
+    of the group's other episodes.
 
     turn_rewards: [n_groups][group_size][n_turns_i] per-turn rewards -> advantages of
-    the same ragged shape: A_{i,t} = (R_{i,t} - mean_j R_{j,0}) / (std_j R_{j,0} + 1e-6),
-    where R_{i,t} is the discounted return of episode i from turn t on and the group
-    statistics are those of the episodes' whole returns R_{j,0} (sample std, as
-    group_advantages). A turn that earned its episode's return gets the episode's
-    advantage; a turn after a reward was already collected is credited only with what
-    follows it. With one turn per episode (or gamma = 1 and rewards only on the last
-    turn) this is exactly group_advantages. An episode with no turn counts as return 0.
+    the same ragged shape. R_{i,t} is the discounted return of episode i from turn t on
+    (discounted_returns). Turn t of episode i is compared with turn t of the episodes
+    that have one, N_t = {j : n_turns_j > t}:
+        A_{i,t} = (R_{i,t} - mean_{j in N_t} R_{j,t}) / (std_{j in N_t} R_{j,t} + 1e-6)
+    (sample std, as group_advantages), so with one turn per episode this is exactly
+    group_advantages. A turn no other episode of the group reached (|N_t| = 1) has no
+    comparable turn and takes its episode's turn-0 advantage. A turn index whose
+    returns are equal (std below ADV_EPS) gets 0, as a group does in group_advantages.
 
-    A group whose std_j R_{j,0} is below ADV_EPS gets 0 on every turn, as in
-    group_advantages. Unlike there, the numerator is not bounded by the std: two games
-    lost with the same return but with a penalty on different turns have per-turn
-    returns that differ while std_j R_{j,0} = 0, and the formula would divide that
-    difference by 1e-6 (advantages of 1e5). Such a group has no group-relative signal:
-    every episode did equally well.
-    Choice of statistics: kept from R_{j,0} only, not pooled over every R_{j,t} of the
-    group. Pooling would keep single-turn episodes from matching GRPO exactly, and
-    would turn a discount artefact (a longer lost game's early turns are discounted
-    less) into signal. The cost: with a small but non-zero std, a later turn's
-    |R_{i,t} - mean| / std can exceed the bound (group_size - 1) / sqrt(group_size)
-    that episode-level advantages keep; the PPO clip bounds the ratio, not the
-    advantage.
-    Sources: GTPO, arXiv 2511.17052 (per-turn returns in group-relative advantages);
-    OpenTinker's `compute_grpo_per_step_advantage` (statistics from R_0);
-    GRPO arXiv 2402.03300 eq. 3.
-    Other estimators (group_advantages) keep the same statistics of R_{j,0}: "dr_grpo"
-    and "reinforce_pp" drop the division by the std; "rloo" takes each episode's
-    baseline from the other episodes' R_{j,0}.
+    Bound: |A_{i,t}| <= (|N_t| - 1) / sqrt(|N_t|) <= (G - 1) / sqrt(G), the most the
+    episode-level estimator gives a group of G (a property test checks it). The
+    earlier form, per-turn returns over the statistics of the whole returns R_{j,0},
+    was unbounded: a seat that won all 4 games of a group at discount 0.9 got +7.9 on
+    its last moves (the whole returns differed by the discount only, a tiny std), and
+    shaped rewards at discount 1 reached 282.
+    Sources: GiGPO, Feng et al. 2025, arXiv 2505.10978 §3.2 (step-level groups of
+    comparable steps, there by identical anchor states, here by turn index, with
+    discounted returns); GRPO arXiv 2402.03300 eq. 3.
+    Other estimators use the same turn groups as group_advantages uses the episode
+    group: "dr_grpo" and "reinforce_pp" drop the division by the std; "rloo" takes each
+    turn's baseline from the other episodes' turn t.
     Raises ValueError for a group with fewer than 2 episodes or an unknown estimator.
     """
     if estimator not in ESTIMATORS:
@@ -129,17 +124,28 @@ def turn_advantages(turn_rewards: Sequence[Sequence[Sequence[float]]], gamma: fl
         if len(group) < 2:
             raise ValueError(f"a group needs >= 2 episodes, got {len(group)}")
         returns = [discounted_returns(ep, gamma) for ep in group]
-        whole = torch.tensor([r[0] if r else 0.0 for r in returns], dtype=torch.float64)
-        mean, std = float(whole.mean()), float(whole.std(unbiased=True))
-        n = len(returns)
-        if std < ADV_EPS:
-            out.append([[0.0] * len(r) for r in returns])
-        elif estimator == "rloo":
-            total = float(whole.sum())
-            out.append([[r_t - (total - float(whole[i])) / (n - 1) for r_t in r] for i, r in enumerate(returns)])
-        else:
-            out.append([[_scaled(r_t - mean, std, n, estimator) for r_t in r] for r in returns])
+        # turn 0 of an episode with no turn counts as return 0 (its episode-level value)
+        first = [_turn_group([r[0] if r else 0.0 for r in returns], estimator)]
+        adv = [[0.0] * len(r) for r in returns]
+        for t in range(max(map(len, returns))):
+            have = [i for i, r in enumerate(returns) if len(r) > t]
+            if len(have) < 2:
+                for i in have:
+                    adv[i][t] = first[0][i]
+                continue
+            for i, a in zip(have, _turn_group([returns[i][t] for i in have], estimator)):
+                adv[i][t] = a
+        out.append(adv)
     return out
+
+
+def _turn_group(values: Sequence[float], estimator: str) -> list[float]:
+    """group_advantages of one group of values (>= 2), in float64, as floats."""
+    v = torch.tensor(list(values), dtype=torch.float64)
+    std = float(v.std(unbiased=True))
+    if std < ADV_EPS:
+        return [0.0] * len(values)
+    return [float(_scaled(x, std, len(values), estimator)) for x in (v - v.mean()).tolist()]
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
@@ -196,13 +202,26 @@ def selected_logprobs(rows: torch.Tensor, targets: torch.Tensor, temperature: fl
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
+KL_LOG_RATIO_CLAMP = 20.0  # |log pi_ref - log pi| beyond this is clamped before exp (verl's low_var_kl)
+KL_K3_CLAMP = 10.0         # and k3 itself to [0, this]
+
+
 def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi, with
     d = logp_ref - logp: k1 = -d (unbiased, high variance, can be negative),
     k2 = d^2 / 2 (low variance, biased), k3 = exp(d) - d - 1 (unbiased, low variance,
-    >= 0). Shapes: any, elementwise; 0 where the two agree.
-    Source: J. Schulman 2020, "Approximating KL Divergence"; k3 is GRPO's (arXiv
-    2402.03300 eq. 4); verl's kl_loss_type "kl" / "mse" / "low_var_kl".
+    >= 0; d clamped to +-KL_LOG_RATIO_CLAMP and k3 to KL_K3_CLAMP, as verl's
+    low_var_kl, so one token the reference finds e^100 times likelier cannot make the
+    loss inf; a token past a clamp adds no gradient). Shapes: any, elementwise; 0
+    where the two agree.
+
+    As a loss term the estimators' gradients differ from their values: in expectation
+    over tokens sampled by pi, the gradient of k3 is that of KL(pi_ref || pi) (the
+    reverse direction), and that of k2 is the gradient of KL(pi || pi_ref); k1's is 0
+    in expectation. tests/unit/test_loss_options.py checks both on an exact
+    expectation. Sources: J. Schulman 2020, "Approximating KL Divergence"; k3 is
+    GRPO's (arXiv 2402.03300 eq. 4); verl's kl_loss_type "kl" / "mse" / "low_var_kl";
+    the gradients: Tang & Munos 2025, arXiv 2506.09477 §3.
     Raises ValueError for an unknown estimator.
     """
     d = logp_ref - logp
@@ -211,7 +230,8 @@ def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
-        return torch.exp(d) - d - 1.0
+        d = d.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+        return (torch.exp(d) - d - 1.0).clamp(max=KL_K3_CLAMP)
     raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 

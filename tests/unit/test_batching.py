@@ -216,12 +216,13 @@ def test_reward_bonus_with_turn_credit_goes_to_the_last_turn():
                           reward=r0 + r1, policy_version=0)
 
     # gamma 0.5, bonus -1 on episode 1's last turn: turn rewards A [0, 1], B [0, 1 - 1 = 0]
-    # returns A [0.5, 1], B [0, 0]; whole [0.5, 0]: mean 0.25, sample std 0.25 * sqrt(2)
+    # returns A [0.5, 1], B [0, 0]. Turn 0: [0.5, 0], mean 0.25, sample std 0.25 * sqrt(2);
+    # turn 1: [1, 0], mean 0.5, sample std 0.5 * sqrt(2)
     step = step_advantages([two_turns(0.0, 1.0, 0), two_turns(0.0, 1.0, 1)], 1, 2, credit="turn",
                            turn_discount=0.5, reward_bonus=[0.0, -1.0])
-    s = 0.25 * 2 ** 0.5 + 1e-6
-    a0, a1 = 0.25 / s, 0.75 / s
-    b0, b1 = -0.25 / s, -0.25 / s
+    s0, s1 = 0.25 * 2 ** 0.5 + 1e-6, 0.5 * 2 ** 0.5 + 1e-6
+    a0, a1 = 0.25 / s0, 0.5 / s1
+    b0, b1 = -0.25 / s0, -0.5 / s1
     assert step.advantages[0] == pytest.approx([0, 0, a0, a0, 0, a1, a1], rel=1e-6)
     assert step.advantages[1] == pytest.approx([0, 0, b0, b0, 0, b1, b1], rel=1e-6)
 

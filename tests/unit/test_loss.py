@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opentinker.services.learner.loss import (AggTotals, LossConfig, aggregation_weights, group_advantages,
                                               k3_kl, policy_loss, token_logprobs)
@@ -136,22 +138,59 @@ def test_turn_advantages_equal_grpo_for_single_turn_episodes():
     assert torch.allclose(torch.tensor([[a[0] for a in g] for g in per_turn]), expected, atol=1e-6)
 
 
-def test_turn_advantages_credit_each_turn_with_its_discounted_return():
+def test_turn_advantages_compare_each_turn_with_the_same_turn_of_the_group():
     from opentinker.services.learner.loss import discounted_returns, turn_advantages
 
     assert discounted_returns([0.0, -0.1, 1.0], 0.5) == [0.0 + 0.5 * (-0.1 + 0.5 * 1.0), -0.1 + 0.5, 1.0]
-    # episode 0: a penalty on turn 1, a win on turn 2; episode 1: lost in one turn
-    [group] = turn_advantages([[[0.0, -0.1, 1.0], [-1.0]]], gamma=1.0)
-    whole = torch.tensor([0.9, -1.0])
-    mean, std = float(whole.mean()), float(whole.std())
-    assert group[0] == pytest.approx([(0.9 - mean) / (std + 1e-6), (0.9 - mean) / (std + 1e-6),
-                                      (1.0 - mean) / (std + 1e-6)], rel=1e-5)
-    assert group[1] == pytest.approx([(-1.0 - mean) / (std + 1e-6)], rel=1e-5)
-    # a later turn after the reward was collected gets only what follows it
-    [g2] = turn_advantages([[[1.0, 0.0], [0.0]]], gamma=1.0)
-    assert g2[0][1] < g2[0][0]
+    # three episodes: turn 0 of all three, turn 1 of the first two, turn 2 of the first only
+    [group] = turn_advantages([[[0.0, -0.1, 1.0], [0.0, 1.0], [-1.0]]], gamma=1.0)
+    at0 = group_advantages(torch.tensor([[0.9, 1.0, -1.0]])).view(-1).tolist()
+    at1 = group_advantages(torch.tensor([[0.9, 1.0]])).view(-1).tolist()
+    assert [g[0] for g in group] == pytest.approx(at0, rel=1e-5)
+    assert [group[0][1], group[1][1]] == pytest.approx(at1, rel=1e-5)
+    assert group[0][2] == pytest.approx(at0[0], rel=1e-5)  # no other episode reached turn 2: its episode's
+    # equal returns at a turn index carry no signal there
+    [g2] = turn_advantages([[[0.0, 1.0], [1.0, 1.0]]], gamma=1.0)
+    assert g2[0][1] == g2[1][1] == 0.0 and g2[0][0] < 0 < g2[1][0]
     with pytest.raises(ValueError, match=">= 2 episodes"):
         turn_advantages([[[1.0]]], gamma=1.0)
+
+
+def test_turn_advantages_of_the_reported_blow_ups_stay_within_the_episode_bound():
+    """Issue 31: per-turn returns over the whole returns' statistics gave +7.9 to a seat
+    that won all 4 games of a group (discount 0.9, gomoku_selfplay.toml) and 282 to
+    shaped rewards at discount 1."""
+    from opentinker.services.learner.loss import turn_advantages
+
+    bound = 3 / math.sqrt(4)  # (G - 1) / sqrt(G), G = 4
+    wins = [[0.0] * (n - 1) + [1.0] for n in (5, 6, 7, 9)]  # identical outcomes, different lengths
+    shaped = [[0.1] * 10 + [1.0], [0.1] * 10 + [1.0 + 1e-4], [0.1, 1.0], [0.1] * 3 + [1.0]]
+    for group, gamma in ((wins, 0.9), (shaped, 1.0), (wins, 1.0)):
+        [adv] = turn_advantages([group], gamma)
+        assert max(abs(a) for ep in adv for a in ep) <= bound + 1e-5, (gamma, adv)
+    [adv] = turn_advantages([wins], 1.0)  # undiscounted identical wins: no signal at all
+    assert all(a == 0.0 for ep in adv for a in ep)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.floats(-5, 5, allow_nan=False), min_size=0, max_size=6), min_size=2, max_size=8),
+       st.floats(0.0, 1.0), st.sampled_from(["grpo", "rloo", "dr_grpo"]))
+def test_no_turn_advantage_exceeds_what_the_episode_level_estimator_could_give(group, gamma, estimator):
+    """The property: per turn index, the group's turns are baselined as an episode group
+    is, so no turn's advantage exceeds the episode-level estimator's bound for a group
+    of that size ("grpo": (G - 1) / sqrt(G); "rloo"/"dr_grpo": G/(G-1) resp. 1 times the
+    spread of that turn's returns)."""
+    from opentinker.services.learner.loss import discounted_returns, turn_advantages
+
+    [adv] = turn_advantages([group], gamma, estimator)
+    g = len(group)
+    returns = [discounted_returns(ep, gamma) for ep in group]
+    spread = max((max(r[t] for r in returns if len(r) > t) - min(r[t] for r in returns if len(r) > t)
+                  for t in range(max(map(len, returns), default=0))), default=0.0)
+    spread = max(spread, max((r[0] if r else 0.0) for r in returns) - min((r[0] if r else 0.0) for r in returns))
+    bound = {"grpo": (g - 1) / math.sqrt(g), "rloo": spread * g / (g - 1), "dr_grpo": spread}[estimator]
+    assert [len(a) for a in adv] == [len(ep) for ep in group]
+    assert all(abs(a) <= bound * (1 + 1e-5) + 1e-5 for ep in adv for a in ep), (bound, adv)
 
 
 def test_per_token_advantages_weight_each_token():
@@ -174,19 +213,22 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_advantage():
     assert torch.equal(adv, torch.zeros(2, 3))
 
 
-def test_turn_advantages_are_zero_not_huge_when_the_whole_returns_are_equal():
+def test_turn_advantages_are_bounded_not_huge_when_the_whole_returns_are_equal():
     """Two gomoku games (illegal="retry"), both lost with one illegal move (-0.1) at
-    different turns: equal whole returns (-1.1), different per-turn returns. The group
-    has nothing to compare; dividing those differences by the 1e-6 floor gave 1e5."""
+    different turns: equal whole returns (-1.1), different per-turn returns. Dividing
+    those differences by the whole returns' std (the 1e-6 floor) once gave 1e5; compared
+    turn by turn, turn 1's illegal move is the only difference, credited as such."""
     from opentinker.services.learner.loss import turn_advantages
 
     lost_a = [-0.1, 0.0, -1.0]   # illegal move on turn 0, lost on turn 2
     lost_b = [0.0, -0.1, -1.0]   # illegal move on turn 1, lost on turn 2
     [group] = turn_advantages([[lost_a, lost_b]], gamma=1.0)
-    assert group == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    h = 1 / math.sqrt(2)  # (G - 1) / sqrt(G), G = 2
+    assert group == [pytest.approx([0.0, h, 0.0], rel=1e-4, abs=1e-9), pytest.approx([0.0, -h, 0.0], rel=1e-4, abs=1e-9)]
     # the same rewards in another order: whole returns equal only up to rounding
     [group] = turn_advantages([[[0.1, 0.2, -1.0], [0.2, 0.1, -1.0]]], gamma=1.0)
-    assert all(a == 0.0 for ep in group for a in ep)
+    assert group[0][0] == group[1][0] == 0.0 and group[0][2] == group[1][2] == 0.0
+    assert max(abs(a) for ep in group for a in ep) <= h + 1e-5
 
 
 def test_turn_advantages_of_a_normal_group_match_the_hand_computation():
@@ -194,8 +236,9 @@ def test_turn_advantages_of_a_normal_group_match_the_hand_computation():
 
     # gamma 0.5: returns A [0 + 0.5 * 1, 1] = [0.5, 1], B [0], C [1]; whole returns
     # [0.5, 0, 1]: mean 0.5, sample std sqrt((0 + 0.25 + 0.25) / 2) = 0.5
+    # turn 1 of A has no comparable turn: it takes A's turn-0 advantage
     [group] = turn_advantages([[[0.0, 1.0], [0.0], [1.0]]], gamma=0.5)
     s = 0.5 + 1e-6
-    assert group[0] == pytest.approx([0.0, 0.5 / s], abs=1e-12)
+    assert group[0] == pytest.approx([0.0, 0.0], abs=1e-12)
     assert group[1] == pytest.approx([-0.5 / s], rel=1e-12)
     assert group[2] == pytest.approx([0.5 / s], rel=1e-12)

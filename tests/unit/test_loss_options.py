@@ -79,7 +79,8 @@ def test_a_zero_variance_group_gets_exactly_zero_for_every_estimator(estimator):
                                         dtype=torch.float64), estimator)
     assert torch.equal(adv[:2], torch.zeros(2, 3))
     assert adv[2, 0] > 0  # the third group does carry signal
-    [group] = turn_advantages([[[0.1, 0.2, -1.0], [0.2, 0.1, -1.0]]], gamma=1.0, estimator=estimator)
+    # per-turn returns equal at every turn, up to rounding
+    [group] = turn_advantages([[[0.1 + 0.2, 0.5, -1.0], [0.3, 0.5, -1.0]]], gamma=1.0, estimator=estimator)
     assert group == [[0.0] * 3, [0.0] * 3]
 
 
@@ -91,26 +92,28 @@ def test_an_unknown_estimator_is_refused():
 # a multi-turn group, gamma 0.5: A [0, 1] -> returns [0.5, 1]; B [1] -> [1]; C [0, 0, -1] -> [-0.25, -0.5, -1]
 MULTI = [[0.0, 1.0], [1.0], [0.0, 0.0, -1.0]]
 WHOLE = [0.5, 1.0, -0.25]  # R_{j,0}
-RETURNS = [[0.5, 1.0], [1.0], [-0.25, -0.5, -1.0]]
 
 
-def test_turn_advantages_rloo_takes_the_baseline_from_the_other_episodes_whole_returns():
+def test_turn_advantages_rloo_takes_each_turns_baseline_from_the_other_episodes_same_turn():
     [group] = turn_advantages([MULTI], gamma=0.5, estimator="rloo")
-    baselines = [(1.0 - 0.25) / 2, (0.5 - 0.25) / 2, (0.5 + 1.0) / 2]
-    for got, rets, b in zip(group, RETURNS, baselines):
-        assert got == pytest.approx([r - b for r in rets], rel=1e-9)
-    assert group[0] == pytest.approx([0.125, 0.625]) and group[2] == pytest.approx([-1.0, -1.25, -1.75])
+    # turn 0: whole returns, baselines of the other two; turn 1: A and C only; turn 2: C
+    # alone, which takes its turn 0's advantage
+    assert group[0] == pytest.approx([0.5 - (1.0 - 0.25) / 2, 1.0 - (-0.5)])
+    assert group[1] == pytest.approx([1.0 - (0.5 - 0.25) / 2])
+    assert group[2] == pytest.approx([-0.25 - 0.75, -0.5 - 1.0, -0.25 - 0.75])
 
 
 def test_turn_advantages_dr_grpo_and_reinforce_pp_centre_without_the_std():
-    m = mean(WHOLE)  # 1.25 / 3
+    m0, m1 = mean(WHOLE), mean([1.0, -0.5])  # turn 0 of all three; turn 1 of A and C
     for est in ("dr_grpo", "reinforce_pp"):
         [group] = turn_advantages([MULTI], gamma=0.5, estimator=est)
-        for got, rets in zip(group, RETURNS):
-            assert got == pytest.approx([r - m for r in rets], rel=1e-9)
+        assert group[0] == pytest.approx([0.5 - m0, 1.0 - m1], rel=1e-9)
+        assert group[1] == pytest.approx([1.0 - m0], rel=1e-9)
+        assert group[2] == pytest.approx([-0.25 - m0, -0.5 - m1, -0.25 - m0], rel=1e-9)
     [grpo] = turn_advantages([MULTI], gamma=0.5, estimator="grpo")
-    s = sample_std(WHOLE)
-    assert grpo[2] == pytest.approx([(r - m) / (s + EPS) for r in RETURNS[2]], rel=1e-9)
+    s0, s1 = sample_std(WHOLE), sample_std([1.0, -0.5])
+    c0 = (-0.25 - m0) / (s0 + EPS)
+    assert grpo[2] == pytest.approx([c0, (-0.5 - m1) / (s1 + EPS), c0], rel=1e-9)
 
 
 # --- clip-higher, dual clip ---------------------------------------------------------------
@@ -486,3 +489,55 @@ def test_selected_logprobs_match_the_full_token_logprobs_in_chunks():
     assert selected_logprobs(rows, targets, entropy_grad=True)[1].requires_grad
     empty = selected_logprobs(rows[:0], targets[:0])
     assert empty[0].shape == (0,) and empty[1].shape == (0,)
+
+
+# --- KL estimators: which gradient each one gives, and no overflow ---------------------------
+
+def _expected_grad(estimator: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """E_{x ~ pi}[grad_theta k(x)] exactly, on a 5-token categorical pi = softmax(theta)
+    (the loss's sampled tokens held fixed), and the gradients of KL(pi||ref), KL(ref||pi)."""
+    from opentinker.services.learner.loss import kl_estimate
+
+    g = torch.Generator().manual_seed(0)
+    # mild enough that no token reaches the clamps (a clamped token adds no gradient)
+    theta = (0.5 * torch.randn(5, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = torch.log_softmax(0.5 * torch.randn(5, generator=g, dtype=torch.float64), -1)
+    logp = torch.log_softmax(theta, -1)
+    p = logp.exp().detach()
+    (expected,) = torch.autograd.grad((p * kl_estimate(logp, ref, estimator)).sum(), theta)
+    logp = torch.log_softmax(theta, -1)
+    (fwd,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)          # KL(pi || ref)
+    logp = torch.log_softmax(theta, -1)
+    (rev,) = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), theta)           # KL(ref || pi)
+    return expected, fwd, rev
+
+
+def test_k3s_gradient_is_that_of_kl_ref_pi_and_k2s_that_of_kl_pi_ref():
+    """Issue 31: k3 was documented as KL(pi || ref) throughout; as a loss its gradient is
+    KL(ref || pi)'s (the value is still KL(pi || ref)'s estimate)."""
+    e3, fwd, rev = _expected_grad("k3")
+    assert torch.allclose(e3, rev, atol=1e-10) and not torch.allclose(e3, fwd, atol=1e-3)
+    e2, fwd, _ = _expected_grad("k2")
+    assert torch.allclose(e2, fwd, atol=1e-10)
+
+
+def test_k3_does_not_overflow():
+    from opentinker.services.learner.loss import KL_K3_CLAMP, kl_estimate
+
+    logp = torch.tensor([-150.0, -1.0, 0.0], requires_grad=True)
+    ref = torch.tensor([-0.01, -1.0, -200.0])
+    k = kl_estimate(logp, ref, "k3")
+    assert torch.isfinite(k).all() and k.max() <= KL_K3_CLAMP and k[1] == 0.0
+    k.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_a_step_that_forwarded_no_token_reports_no_token_statistics():
+    """Issue 31: a step whose groups were all skipped reported entropy 0, IS weight 0 and
+    KL 0, and the plots dived to 0 on it."""
+    from opentinker.services.learner.job import TOKEN_STATS, token_stats
+
+    zeros = {k: 0.0 for k in (*TOKEN_STATS, "tokens")}
+    assert token_stats(zeros) == {}
+    some = {**zeros, "tokens": 12.0, "entropy": 1.5, "mismatch_kl": 0.003}
+    assert token_stats(some) == {k: some[k] for k in TOKEN_STATS}
