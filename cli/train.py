@@ -83,8 +83,9 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
                                 step_s=f"{v.get('step_time_s', 0):.1f}s")
                 progress.console.print(
                     f"step {m.step:>3}  reward {v.get('reward_mean', 0):.3f} ± {v.get('reward_std', 0):.3f}"
-                    f"  kl {v.get('kl', 0):.4f}  entropy {v.get('entropy', 0):.3f}"
-                    f"  clip {v.get('clip_frac', 0):.3f}  lag {v.get('policy_lag_mean', 0):.2f}"
+                    + ("" if "entropy" not in v else  # a step that forwarded no token has none
+                       f"  kl {v['kl']:.4f}  entropy {v['entropy']:.3f}  clip {v['clip_frac']:.3f}")
+                    + f"  lag {v.get('policy_lag_mean', 0):.2f}"
                     f"  {v.get('tokens_per_s', 0):.0f} tok/s  {v.get('step_time_s', 0):.1f}s/step")
         rec = await job.wait(raise_on_failure=False)
         if bridge is not None:
