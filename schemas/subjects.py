@@ -196,6 +196,11 @@ def tinker_result(job_id: str, seq_id: int) -> str:
     return f"ot.job.{check_job_id(job_id)}.results.{int(seq_id)}"
 
 
+def tinker_results(job_id: str) -> str:
+    """Every result of a tinker job or sampling session (for purges)."""
+    return f"ot.job.{check_job_id(job_id)}.results.*"
+
+
 def worker_key(pool: str, worker_id: str) -> str:
     """The `ot_workers` KV key of a worker."""
     return f"{check_worker_id(pool)}.{check_worker_id(worker_id)}"

@@ -60,6 +60,19 @@ class World:
         return {name: p.poll() for name, p in self.procs.items()}
 
 
+async def wait_http_ok(url: str, timeout_s: float = 40.0) -> None:
+    """Wait until GET `url` answers 200 (a service's health route), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as http:
+        while time.monotonic() < deadline:
+            try:
+                if (await http.get(url)).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.2)
+
+
 async def make_user(api: httpx.AsyncClient, name: str) -> str:
     r = await api.post("/v1/users", json={"name": name}, headers=ADMIN)
     assert r.status_code == 201, r.text
@@ -92,21 +105,8 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
     api_url = f"http://127.0.0.1:{port}"
     tinker_url = f"http://127.0.0.1:{tinker_port}"
     api = httpx.AsyncClient(base_url=api_url, timeout=30)
-    for _ in range(200):
-        try:
-            if (await api.get("/v1/health")).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.2)
-    async with httpx.AsyncClient(base_url=tinker_url, timeout=5) as tinker_http:
-        for _ in range(200):
-            try:
-                if (await tinker_http.get("/api/v1/healthz")).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.2)
+    await wait_http_ok(api_url + "/v1/health")
+    await wait_http_ok(tinker_url + "/api/v1/healthz")
     alice_key, bob_key = await make_user(api, "alice"), await make_user(api, "bob")
     alice = await Client.connect(server.url, api_key=alice_key, api_url=api_url)
     bob = await Client.connect(server.url, api_key=bob_key, api_url=api_url)

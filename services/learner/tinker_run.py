@@ -198,8 +198,6 @@ class TinkerRun(RunLifecycle):
             self.step += 1
             return TinkerResult(**r, metrics={f"{k}:mean": v for k, v in out.items()}, policy_version=self.version)
         if op.op == "save_state":
-            check_name(op.name)
-            await self.check_store_quota("save_state")
             await self.save_named(op.name)
             return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version)
         if op.op == "save_sampler":
@@ -235,8 +233,10 @@ class TinkerRun(RunLifecycle):
                           "finished_jobs_per_user)")
 
     async def save_named(self, name: str) -> None:
-        """Weights and optimizer state under `name` (checkpoint.object_name)."""
+        """Weights and optimizer state under `name` (checkpoint.object_name). Raises
+        OpError for a bad name or a user over store_bytes_per_user."""
         check_name(name)
+        await self.check_store_quota("save_state")
         state_dir = self.scratch / f"save-{name}"
         meta = {"job_id": self.job_id, "step": self.step, "policy_version": self.version,
                 "rng": checkpoint.rng_state(), "time_s": time.time()}
@@ -265,5 +265,6 @@ class TinkerRun(RunLifecycle):
         self.step = int(meta.get("step", 0))
 
     async def cleanup_bus(self) -> None:
-        await self.bus.delete_durable(S.tinker_ops_durable(self.job_id))
-        await self.bus.purge_subject(S.STREAM_TINKER, f"ot.job.{self.job_id}.ops.*")  # their results stay for the API
+        d = S.tinker_ops_durable(self.job_id)
+        await self.bus.delete_durable(d)
+        await self.bus.purge_subject(d.stream, d.subject)  # the ops; their results stay for the API

@@ -210,8 +210,8 @@ class Gateway:
         self._active.pop(s.session_id, None)
         later = time.time() + RETRIEVED_KEPT_S
         # its results (a learner purges its job's ops as it ends: a close must stay until read)
-        self._purges += [(later, f"ot.job.{wire.model_job(s.session_id, n)}.results.*") for n in range(s.models)]
-        self._purges += [(later, f"ot.job.{wire.sampler_job(s.session_id, n)}.results.*") for n in range(s.samplers)]
+        self._purges += [(later, S.tinker_results(wire.model_job(s.session_id, n))) for n in range(s.models)]
+        self._purges += [(later, S.tinker_results(wire.sampler_job(s.session_id, n))) for n in range(s.samplers)]
         for n in range(s.models):
             job_id = wire.model_job(s.session_id, n)
             await self.bus.publish(S.tinker_close(job_id), TinkerOp(job_id=job_id, seq_id=0, op="close"),

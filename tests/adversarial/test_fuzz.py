@@ -203,6 +203,24 @@ def subject_of(kind: str, i: int, host_id: str) -> str:
             "env_close": S.env_close(host_id), "env_info": S.env_info("arith"), "callout": CALLOUT_SUBJECT}[kind]
 
 
+async def tenant_publishes(world, msgs: list[tuple[str, bytes, dict | None]]) -> int:
+    """Publish `msgs` (subject, payload, headers) as bob, on his own NATS connection (a
+    payload over the server's limit cut to 1 KiB); returns how many the server refused
+    as a permissions violation (it answers each with an error, waited for up to 10 s)."""
+    nc, errors = await user_connection(world.server.url, world.bob_key)
+    for subject, payload, headers in msgs:
+        if len(payload) > nc.max_payload:
+            payload = payload[:1024]
+        await nc.publish(subject, payload, headers=headers)
+    await nc.flush()
+    for _ in range(100):
+        if len(errors) >= len(msgs):
+            break
+        await asyncio.sleep(0.1)
+    await nc.close()
+    return sum("permissions violation for publish" in e.lower() for e in errors)
+
+
 async def test_ten_thousand_bad_messages_crash_nothing_and_are_each_refused_or_dead_lettered(world):
     svc = world.service
     # the job that trains while the fuzzer runs (alice's first job may be over by now)
@@ -231,18 +249,7 @@ async def test_ten_thousand_bad_messages_crash_nothing_and_are_each_refused_or_d
     gen_s = time.monotonic() - t_gen
 
     # -- as a tenant: every publish refused by nats-server
-    nc, errors = await user_connection(world.server.url, world.bob_key)
-    for subject, payload in user_msgs:
-        if len(payload) > nc.max_payload:
-            payload = payload[:1024]
-        await nc.publish(subject, payload)
-    await nc.flush()
-    for _ in range(100):
-        if len(errors) >= N_USER:
-            break
-        await asyncio.sleep(0.1)
-    user_refused = sum("permissions violation for publish" in e.lower() for e in errors)
-    await nc.close()
+    user_refused = await tenant_publishes(world, [(subject, payload, None) for subject, payload in user_msgs])
 
     # -- as a service: every message refused at publish, answered with an error, or
     # dead-lettered by the service that consumed it
@@ -527,19 +534,11 @@ async def test_bad_tinker_ops_results_and_samples_are_each_refused_or_answered_w
         ]
 
         # -- as a tenant, on his own session's subjects: every publish refused by nats-server
-        nc, errors = await user_connection(world.server.url, world.bob_key)
         user_subjects = [S.tinker_op(job, 1), S.tinker_close(job), S.tinker_result(job, 1),
                          S.tinker_result(sampler, 1), S.rollout(sampling_job, ROLLOUT)]
-        for i in range(N_USER_TINKER):
-            await nc.publish(user_subjects[i % len(user_subjects)], msgs[(i * 7919) % len(msgs)][1][:4096],
-                             headers={S.H_SCHEMA: "TinkerSample"})
-        await nc.flush()
-        for _ in range(100):
-            if len(errors) >= N_USER_TINKER:
-                break
-            await asyncio.sleep(0.1)
-        user_refused = sum("permissions violation for publish" in e.lower() for e in errors)
-        await nc.close()
+        user_refused = await tenant_publishes(world, [
+            (user_subjects[i % len(user_subjects)], msgs[(i * 7919) % len(msgs)][1][:4096],
+             {S.H_SCHEMA: "TinkerSample"}) for i in range(N_USER_TINKER)])
 
         # -- as a service
         answers: dict[int, bytes] = {}  # a sample's seq id -> the worker's answer (its results subject)

@@ -21,6 +21,7 @@ from opentinker.services.core.users import Users
 
 tinker = pytest.importorskip("tinker")
 
+from tenants import wait_http_ok  # noqa: E402
 from tinker_sdk import run_sdk  # noqa: E402
 
 
@@ -46,13 +47,7 @@ async def stack(services, bus, job_id):
         await users.create_user(name)
         keys[who] = "tml-" + (await users.create_key(name))[1]
     base = f"http://127.0.0.1:{port}"
-    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-        for _ in range(200):
-            try:
-                if (await http.get("/api/v1/healthz")).status_code == 200:
-                    break
-            except httpx.TransportError:
-                await asyncio.sleep(0.2)
+    await wait_http_ok(base + "/api/v1/healthz")
     return base, keys
 
 
