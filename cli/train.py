@@ -67,7 +67,8 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
                 if m.split == "eval":
                     progress.console.print(
                         f"eval after {m.step:>3} steps  reward {v.get('reward_mean', 0):.3f}"
-                        f"  correct {v.get('correct_frac', 0):.3f}  ({v.get('episodes', 0):.0f} episodes)")
+                        f" ± {v.get('reward_se', 0):.3f}  correct {v.get('correct_frac', 0):.3f}"
+                        f" ± {v.get('correct_se', 0):.3f}  ({v.get('episodes', 0):.0f} episodes, ± = standard error)")
                     continue
                 if m.split != "train":
                     continue

@@ -14,18 +14,23 @@ copied from the request): an evaluation's episode never enters a training step
 never counts a lost run's.
 
 Metric keys: schemas.stats.episode_stats (reward_mean, reward_std, correct_frac,
-episodes, episode_len_mean, gen_tokens_mean, turns_mean, error_frac), eval_time_s. The Metrics message's `step` is the number of training steps
+episodes, episode_len_mean, gen_tokens_mean, turns_mean, error_frac), win/draw/loss_rate
+for games, reward_se and correct_se (standard errors of the means), off_version_frac
+(the episodes not sampled by exactly the evaluated version: the rollout worker pins an
+evaluation's requests to it, services/rollout/policy.py event_at), eval_time_s. The Metrics message's `step` is the number of training steps
 done, which is also the evaluated policy version.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 
 import msgspec
 
 from opentinker.schemas import JobSpec, Metrics, RolloutRequest, Trajectory
-from opentinker.schemas.stats import derived_seed, episode_stats
+from opentinker.schemas.stats import derived_seed, episode_stats, game_results
 
 EVAL_SPLIT_METRICS = "eval"
 
@@ -33,6 +38,29 @@ EVAL_SPLIT_METRICS = "eval"
 def eval_seed(seed: int, index: int) -> int:
     """The initial-state seed of eval episode `index`: fixed for the whole job."""
     return derived_seed("eval", seed, index)
+
+
+def standard_error(xs: list[float]) -> float:
+    """The standard error of the mean of `xs`: sample sd / sqrt(n) (0.0 below 2 values).
+    It counts the sampling noise of this problem set and policy only, not the spread
+    across training seeds (report that from several runs)."""
+    return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+
+
+def eval_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
+    """An evaluation's metrics: episode_stats, game_results (win/draw/loss rates, for
+    games), `reward_se` and `correct_se` (standard_error), and `off_version_frac`, the
+    fraction of the job's own episodes with a turn sampled by another policy version
+    than `version` (0 when the rollout honours the pin; an opponent's seat is not
+    counted)."""
+    values = episode_stats(trajs)
+    values.update(game_results(trajs))
+    values["reward_se"] = standard_error([t.reward for t in trajs])
+    values["correct_se"] = standard_error([float(t.correct) for t in trajs])
+    own = [t for t in trajs if not t.policy_of and t.turns]
+    values["off_version_frac"] = (sum(any(turn.policy_version != version for turn in t.turns) for t in own)
+                                  / len(own) if own else 0.0)
+    return values
 
 
 def eval_prefix(job_id: str, version: int, run: str = "") -> str:
@@ -95,7 +123,7 @@ class Evaluator:
         if len(got) < self.spec.eval_episodes * self.spec.agents:  # one trajectory per seat
             return None
         del self.pending[v]
-        values = episode_stats(list(got.values()))
+        values = eval_stats(list(got.values()), v)
         values["eval_time_s"] = time.monotonic() - self.started_s.pop(v)
         return Metrics(job_id=self.job_id, step=v, policy_version=v, split=EVAL_SPLIT_METRICS,
                        values=values, time_s=time.time())

@@ -80,6 +80,7 @@ class RunLifecycle:
         self.events_sub = None
         self.scratch = Path()  # a temporary folder for checkpoint files, made by begin() under <home>/scratch
         self.model_ref = ""    # the spec's model once begin() checked it for the job's owner
+        self.unkept: set[int] = set()  # versions past the keep window whose weights an evaluation still samples
 
     async def run(self) -> None:
         """Train to completion. Raises JobStopped (cancel or shutdown) or the error
@@ -258,7 +259,20 @@ class RunLifecycle:
         await self.bus.publish(self.subject("weights"), ev, msg_id=f"{self.job_id}-w{v}-r{self.run_id}")
         keep = max(KEEP_WEIGHT_VERSIONS, self.spec.max_staleness + 2)
         if v - keep >= 0:
-            await self.bus.delete_object(S.OBJ_WEIGHTS, f"{self.job_id}/v{v - keep}")
+            self.unkept.add(v - keep)
+        await self.drop_unkept_weights()
+
+    def versions_in_use(self) -> set[int]:
+        """Policy versions whose weights must stay in ot_weights past the keep window:
+        those an unfinished evaluation samples (it is pinned to its version)."""
+        evaluator = getattr(self, "evaluator", None)
+        return set(evaluator.pending) if evaluator is not None else set()
+
+    async def drop_unkept_weights(self) -> None:
+        """Delete the weights of versions past the keep window that no evaluation uses."""
+        for old in sorted(self.unkept - self.versions_in_use()):
+            await self.bus.delete_object(S.OBJ_WEIGHTS, f"{self.job_id}/v{old}")
+            self.unkept.discard(old)
 
     async def step_done(self, s: int, values: dict[str, float], groups: list[str] | None = None) -> None:
         """Publish step `s`'s Metrics (split "train"; `groups`: the request ids it was

@@ -64,6 +64,7 @@ log = logging.getLogger("opentinker.rollout")
 WEIGHTS_WAIT_S = 60.0        # for a version a request names but this worker has not seen
 JOBS_KEPT = 4                # per-job policy tensors kept for fast job switches
 RUNS_KEPT = 4                # learner runs per job whose newest weight event is remembered
+VERSIONS_KEPT = 64           # per job, the latest events by (run, version), for pinned requests
 JOBS_TRACKED = 1024          # jobs whose weight events are remembered (a lookup refills one)
 
 PolicyId = tuple[str, int, str]  # (job id, policy version, sha256 of the weights)
@@ -128,6 +129,9 @@ class PolicyTracker:
         self.newest: dict[str, tuple[int, WeightsPublished]] = {}  # job -> (stream seq, event)
         # job -> learner run -> (stream seq, that run's latest event)
         self.runs: dict[str, dict[str, tuple[int, WeightsPublished]]] = {}
+        # job -> (learner run, policy version) -> (stream seq, event): an evaluation's
+        # request is served by exactly the version it names (event_at)
+        self.at: dict[str, dict[tuple[str, int], tuple[int, WeightsPublished]]] = {}
         self._looked_up: set[str] = set()
         self._noted = asyncio.Condition()  # notified by every _note
         self._sub = None
@@ -167,7 +171,14 @@ class PolicyTracker:
             gone = min(self.newest, key=lambda j: self.newest[j][0])
             del self.newest[gone]
             self.runs.pop(gone, None)
+            self.at.pop(gone, None)
             self._looked_up.discard(gone)
+        at = self.at.setdefault(ev.job_id, {})
+        key = (ev.run, ev.policy_version)
+        if key not in at or seq > at[key][0]:
+            at[key] = (seq, ev)
+        while len(at) > VERSIONS_KEPT:
+            del at[min(at, key=lambda k: at[k][0])]
         runs = self.runs.setdefault(ev.job_id, {})
         mine = runs.get(ev.run)
         if mine is None or seq > mine[0]:
@@ -227,6 +238,31 @@ class PolicyTracker:
                                      f"the newest weight event is version {self._version(job_id, run)}") from None
         return self._newest_of(job_id, run)
 
+    def _exact(self, job_id: str, version: int, run: str) -> WeightsPublished | None:
+        found = [got for (r, v), got in self.at.get(job_id, {}).items() if v == version and (r == run or not run)]
+        return max(found, key=lambda got: got[0])[1] if found else None
+
+    async def event_at(self, job_id: str, version: int, run: str = "") -> WeightsPublished | None:
+        """The weight event of exactly policy `version` of learner run `run` ("": the
+        latest announcement of that version by any run), for a request pinned to it (an
+        evaluation reports the version its episodes were sampled by, never a newer one).
+        None: version 0 that the run never announced, i.e. the base model. Raises
+        WeightsUnavailable if the run has not reached `version` within WEIGHTS_WAIT_S,
+        WeightsError if it went past `version` and that version's event is not on the
+        stream (OT_WEIGHTS keeps 1,000 events per job)."""
+        newest = await self.newest_event(job_id, version, run)
+        if newest is not None and newest.policy_version == version and (newest.run == run or not run):
+            return newest
+        got = self._exact(job_id, version, run)
+        if got is None:  # noted before this worker started: the stream has it
+            await self._all_events(job_id)
+            got = self._exact(job_id, version, run)
+        if got is None and version > 0:
+            raise WeightsError(f"job {job_id}: policy version {version} of learner run {run!r} was requested, "
+                               f"and its weight event is no longer on the stream (the run is at version "
+                               f"{self._version(job_id, run)})")
+        return got
+
     # -- loading a policy into an engine --
 
     async def _fetch(self, uri: str) -> bytes:
@@ -264,6 +300,11 @@ class PolicyTracker:
         already does; returns that policy version. Raises WeightsUnavailable (see
         newest_event) and WeightsError (weights that cannot be read or applied)."""
         return await self.ensure_weights(slot, job_id, await self.newest_event(job_id, at_least, run))
+
+    async def ensure_version(self, slot: EngineSlot, job_id: str, version: int, run: str = "") -> int:
+        """Make `slot`'s engine hold exactly policy `version` of learner run `run` of the
+        job (event_at); returns `version`. Raises as event_at and ensure_weights do."""
+        return await self.ensure_weights(slot, job_id, await self.event_at(job_id, version, run))
 
     async def ensure_weights(self, slot: EngineSlot, key: str, ev: WeightsPublished | None) -> int:
         """Make `slot`'s engine hold the weights `ev` names (None: the base model),

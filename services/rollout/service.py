@@ -281,7 +281,7 @@ class RolloutWorker:
         (model, job) together. Every message ends acked, naked or dead-lettered."""
         pending: dict[int, Msg] = {}
         seen: set[tuple[str, str]] = set()
-        parts: dict[tuple[str, str, str], list[tuple[RolloutRequest, Msg]]] = {}
+        parts: dict[tuple[str, str, str, str, int], list[tuple[RolloutRequest, Msg]]] = {}
         for m in msgs:
             if is_sample(m):  # a Tinker API sampling session's call (sampling.py)
                 await serve_sample(self, m)
@@ -309,7 +309,10 @@ class RolloutWorker:
                 continue
             seen.add((req.job_id, req.request_id))
             pending[id(m)] = m
-            parts.setdefault((req.model, req.engine, req.job_id, req.policy_run), []).append((req, m))
+            # an evaluation's episodes are sampled by exactly the version they report:
+            # they run apart from the job's training groups, which take its newest policy
+            pinned = req.policy_version if req.purpose == "eval" else -1
+            parts.setdefault((req.model, req.engine, req.job_id, req.policy_run, pinned), []).append((req, m))
         for key in [k for k in parts if self.env_owner.get(k[2], "")]:
             # a job on a user's own envhost runs beside this batch, not in it: its env
             # may stall up to env_step_timeout_s a turn, and must not hold up the
@@ -384,6 +387,8 @@ class RolloutWorker:
         async def policy_version(of: str = "") -> int:
             if of:  # an opponent job's seats: its newest policy (the scheduler checked it is the user's)
                 return await self.policies.ensure_weights(slot, of, await self.policies.newest_event(of, 0))
+            if reqs[0].purpose == "eval":  # its part holds one version's evaluation (handle)
+                return await self.policies.ensure_version(slot, job_id, at_least, run)
             return await self.policies.ensure_policy(slot, job_id, at_least, run)
 
         async def publish(req: RolloutRequest, trajs: list[Trajectory]) -> None:

@@ -197,6 +197,22 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
         assert t.policy_version == 2
         assert torch.allclose(torch.tensor([t.logprobs[i] for i, m in enumerate(t.loss_mask) if m]),
                               policy_logprobs(base, t), atol=1e-4)
+
+    # an evaluation of version 1 asked before version 2 was published, served after:
+    # pinned, its episodes are sampled by version 1 (a training group takes the newest)
+    evaluation = msgspec.structs.replace(rollout_request(job_id, tiny_model, env, "eval-v1-e0", 1),
+                                         purpose="eval", split="test")
+    training = rollout_request(job_id, tiny_model, env, "r4", 1)
+    await bus.publish(S.rollout(job_id, f"w-{job_id}"), evaluation)
+    await bus.publish(S.rollout(job_id, f"w-{job_id}"), training)
+    got = await collect(bus, traj_sub, 6, services)
+    for t in got:
+        check_masks(t, tok)
+        sampled = torch.tensor([t.logprobs[i] for i, m in enumerate(t.loss_mask) if m])
+        version, model = (1, merged) if t.purpose == "eval" else (2, base)
+        assert [turn.policy_version for turn in t.turns] == [version, version], t.episode_id
+        assert torch.allclose(sampled, policy_logprobs(model, t), atol=1e-4), t.episode_id
+    assert sorted(t.purpose for t in got) == ["eval"] * 3 + ["train"] * 3
     return base, traj_sub, env, subs
 
 

@@ -65,3 +65,25 @@ def test_an_eval_split_of_train_is_still_an_evaluation():
 def test_an_episode_without_a_correct_flag_counts_by_its_reward():
     assert traj("r", "e", 1.0).correct and not traj("r", "e", 0.0).correct
     assert not traj("r", "e", 1.0, correct=False).correct
+
+
+def test_an_evaluation_reports_standard_errors_and_episodes_off_its_version():
+    import math
+
+    import msgspec
+
+    from opentinker.services.learner.evaluation import eval_stats
+
+    def at(t: Trajectory, *versions: int, policy_of: str = "") -> Trajectory:
+        turns = [msgspec.structs.replace(t.turns[0], policy_version=v) for v in versions]
+        return msgspec.structs.replace(t, turns=turns, policy_of=policy_of)
+
+    rewards = [1.0, 0.0, 1.0, 1.0]
+    trajs = [at(traj(f"r{i}", f"e{i}", r, correct=r > 0), 3) for i, r in enumerate(rewards)]
+    values = eval_stats(trajs, 3)
+    se = math.sqrt(sum((r - 0.75) ** 2 for r in rewards) / 3) / 2  # sample sd / sqrt(n)
+    assert values["reward_se"] == values["correct_se"] == se and values["off_version_frac"] == 0.0
+    trajs[0] = at(trajs[0], 3, 4)  # a second turn sampled by a newer version
+    trajs.append(at(traj("r9", "e9", 0.0), 7, policy_of="other-job"))  # an opponent's seat: not counted
+    assert eval_stats(trajs, 3)["off_version_frac"] == 0.25
+    assert eval_stats(trajs[:1], 3)["reward_se"] == 0.0  # one episode has no spread to report

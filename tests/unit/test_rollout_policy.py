@@ -10,6 +10,7 @@ import pytest
 from opentinker.schemas import WeightsPublished, encode
 from opentinker.services.rollout import policy
 from opentinker.services.rollout.policy import PolicyTracker, WeightsUnavailable
+from opentinker.services.rollout.weights import WeightsError
 
 
 def event(job_id: str, version: int, run: str = "r1") -> WeightsPublished:
@@ -108,3 +109,36 @@ def test_a_weight_load_runs_on_one_thread_and_gives_the_threads_back():
     finally:
         torch.set_num_threads = setter
         torch._C.set_num_threads(before)
+
+
+async def test_an_evaluation_is_served_by_exactly_the_version_it_names(tracker, stream):
+    for v in (1, 2, 3):  # versions 2 and 3 came while version 1's evaluation waited
+        await tracker._note(event("job-a", v), stream.add(event("job-a", v)))
+    assert (await tracker.newest_event("job-a", 1, "r1")).policy_version == 3  # a training group's policy
+    assert (await tracker.event_at("job-a", 1, "r1")).policy_version == 1
+    assert await tracker.event_at("job-a", 0, "r1") is None  # version 0 never announced: the base model
+    waiting = asyncio.create_task(tracker.event_at("job-a", 4, "r1"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    for v in (4, 5):  # 5 noted before the waiter runs: it still gets 4
+        await tracker._note(event("job-a", v), stream.add(event("job-a", v)))
+    assert (await asyncio.wait_for(waiting, 5.0)).policy_version == 4
+
+
+async def test_a_pinned_version_noted_before_the_worker_started_is_read_from_the_stream(tracker, stream):
+    stream.add(event("job-a", 1))
+    stream.add(event("job-a", 1, "r2"))  # a resumed run re-made version 1: the request names its run
+    late = event("job-a", 2)
+    await tracker._note(late, stream.add(late))
+    tracker._looked_up.add("job-a")  # the job's history was read before version 1 was stored
+    got = await tracker.event_at("job-a", 1, "r1")
+    assert (got.policy_version, got.run) == (1, "r1")
+
+
+async def test_a_pinned_version_gone_from_the_stream_is_an_error_not_a_newer_policy(tracker, stream, monkeypatch):
+    monkeypatch.setattr(policy, "VERSIONS_KEPT", 2)
+    for v in (1, 2, 3):
+        await tracker._note(event("job-a", v), stream.add(event("job-a", v)))
+    stream.held = stream.held[1:]  # the stream's per-job limit dropped version 1's event
+    with pytest.raises(WeightsError, match="policy version 1 of learner run 'r1' was requested"):
+        await tracker.event_at("job-a", 1, "r1")
