@@ -13,7 +13,8 @@ the package's `alfworld-download`. Inside it, `json_2.1.1/<split>/<task>/<trial>
 holds `traj_data.json` and `game.tw-pddl` (PDDL domain, problem and grammar in one
 JSON file). Splits: "train" -> json_2.1.1/train; "test" (and "valid_unseen") ->
 json_2.1.1/valid_unseen, the paper's unseen (out-of-distribution) evaluation set, which
-ALFWorld's config calls eval_ood; "valid_seen" -> json_2.1.1/valid_seen.
+ALFWorld's config calls eval_ood (134 games in ALFWorld's release: the benchmark's own
+size, under 200); "valid_seen" -> json_2.1.1/valid_seen.
 
 Loading is ALFWorld's own (alfworld.agents.environment.alfred_tw_env, package 0.4.2):
 the games of a split are those `AlfredTWEnv.collect_game_files` keeps (solvable, of

@@ -5,6 +5,12 @@ The smallest RL task there is: with fixed `probs` (e.g. [0.1, 0.9]) a policy can
 find the best arm from rewards, which makes it a check that a training loop learns at
 all; with `show_probs` the probabilities are in the prompt and the task is reading
 them and choosing the largest.
+
+Held out: a problem is the arms' probabilities in arm order (2 decimals each, so
+101**arms problems: 104 million with the default 4 arms). A drawn set belongs to one
+split by `splits.split_of_key` of its key, about a fifth "test", and a seed draws
+again until its set is of the asked split. With fixed `probs` there is one problem
+and nothing to hold out: both splits ask it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.envhost.envs.answers import first_number
+from opentinker.services.envhost.envs.splits import check_split, draw, split_of_key
 
 REWARD_MODES = ("sample", "expected")
 # Reward draws differ between the episodes of a group (which share one state), so
@@ -65,11 +72,14 @@ class BanditGame(AbstractGame):
         self.probs: list[float] = []
 
     def generate_initial_state(self, seed: int, split: str = "train") -> dict[str, Any]:
-        """{"probs"}: the fixed probabilities, or `arms` drawn from `seed`."""
+        """{"probs"}: the fixed probabilities, or `arms` of them drawn from `seed`, a
+        set of `split` (module docstring). Raises ValueError for a split other than
+        "train" or "test"."""
+        check_split(split)
         if self.fixed is not None:
             return {"probs": list(self.fixed)}
-        rng = self.rng(f"bandit:{split}:{seed}")
-        return {"probs": [round(rng.random(), 2) for _ in range(self.arms)]}
+        return {"probs": draw(self.rng(f"bandit:{split}:{seed}"),
+                              lambda r: [round(r.random(), 2) for _ in range(self.arms)], problem_key, split)}
 
     def reset(self, probs: list[float] | None = None, seed: int | None = None) -> str:
         """Start with arm probabilities `probs` (or those drawn from `seed`). Returns "".
@@ -112,6 +122,16 @@ class BanditGame(AbstractGame):
         reward = p if self.mode == "expected" else float(_draws.random() < p)
         return StepResult("", reward, True, {**info, "valid": True, "chosen": arm, "prob": p,
                                              "regret": round(best_prob - p, 6)})
+
+
+def problem_key(probs: list[float]) -> str:
+    """The canonical key of a problem: its probabilities in arm order, to 2 decimals."""
+    return "bandit:" + ",".join(f"{p:.2f}" for p in probs)
+
+
+def split_of(probs: list[float]) -> str:
+    """Which split drawn probabilities `probs` belong to (`splits.split_of_key`)."""
+    return split_of_key(problem_key(probs))
 
 
 def _checked_probs(probs: Any, field: str) -> list[float]:

@@ -15,18 +15,29 @@ the side (row 1 at the top, so labels follow reading order), "." for an empty ce
 A move is a column letter and a row number ("C4", case-insensitive); the first such
 token in the reply counts and the text around it is ignored.
 
-A GRPO group shares the state from `generate_initial_state` (seed, who moves first,
-opening stones), and the opponent's random choices come from a generator seeded by
-that state: episodes of a group that make the same moves see the same replies.
+A GRPO group shares the state from `generate_initial_state` (the opponent's seed, who
+moves first, opening stones), and the opponent's random choices come from a generator
+seeded by that state: episodes of a group that make the same moves see the same replies.
+
+Held out: a problem is that whole state, (who moves first, opening position, opponent
+seed), the seed a 32-bit number drawn with the rest. It belongs to one split by
+`splits.split_of_key` of its key, about a fifth "test", and a group seed draws again
+until its state is of the asked split, so a test game never replays a train game's
+start and opponent. With the defaults (empty board, model first) the problems differ
+only by the opponent's seed: against the "random" opponent that is a different game,
+against "greedy" or "strong" only different tie-breaks, so use `opening` for test
+positions that differ on the board.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from opentinker.environment.base_game import AbstractGame, StepResult
+from opentinker.services.envhost.envs.splits import check_split, draw, split_of_key
 
 EMPTY, MODEL, OPPONENT = ".", "X", "O"
 OPPONENTS = ("random", "greedy", "strong")
@@ -258,11 +269,20 @@ class GomokuGame(AbstractGame):
         self._rng = self.rng(0)
 
     def generate_initial_state(self, seed: int, split: str = "train") -> dict[str, Any]:
-        """{"seed", "first", "stones"}: who moves first ("model" or "opponent") and the
-        opening stones as [row, column, "X" or "O"] (zero-based), drawn from `seed`."""
-        rng = self.rng(f"gomoku:{split}:{seed}")
-        first = rng.choice(FIRSTS[:2]) if self.first == "random" else self.first
-        return {"seed": seed, "first": first, "stones": opening_stones(rng, self.size, self.opening)}
+        """{"seed", "first", "stones"}: the opponent's seed, who moves first ("model" or
+        "opponent") and the opening stones as [row, column, "X" or "O"] (zero-based),
+        a state of `split` (module docstring) drawn from `seed`.
+
+        Raises ValueError for a split other than "train" or "test".
+        """
+        check_split(split)
+
+        def make(rng) -> dict[str, Any]:
+            first = rng.choice(FIRSTS[:2]) if self.first == "random" else self.first
+            stones = opening_stones(rng, self.size, self.opening)
+            return {"seed": rng.getrandbits(32), "first": first, "stones": stones}
+
+        return draw(self.rng(f"gomoku:{split}:{seed}"), make, problem_key, split)
 
     def reset(self, seed: int = 0, first: str | None = None,
               stones: list[list[Any]] | None = None) -> str:
@@ -356,16 +376,59 @@ class GomokuGame(AbstractGame):
                           self.illegal_penalty, False, self._info(illegal_reason=reason))
 
 
-def opening_stones(rng, size: int, opening: int) -> list[list[Any]]:
-    """`opening` stone pairs ([row, column, "X"], then [row, column, "O"], ...) on
-    distinct cells near the centre (anywhere, when the centre is too small), drawn
-    from `rng`."""
+def problem_key(state: dict[str, Any]) -> str:
+    """The canonical key of a GomokuGame state: who moves first, the position, the seed."""
+    return f"gomoku:{state['first']}:{opening_key(state['stones'])}:{state['seed']}"
+
+
+def split_of(state: dict[str, Any]) -> str:
+    """Which split a GomokuGame state belongs to (`splits.split_of_key`)."""
+    return split_of_key(problem_key(state))
+
+
+def opening_cells(size: int, opening: int) -> list[tuple[int, int]]:
+    """The cells opening stones go on: the 5x5 square around the centre, or the whole
+    board when that cannot hold 2 * `opening` stones."""
     lo, hi = max(0, size // 2 - 2), min(size - 1, size // 2 + 2)
     centre = [(r, c) for r in range(lo, hi + 1) for c in range(lo, hi + 1)]
     if len(centre) < 2 * opening:  # a long opening for a long win_length
         centre = [(r, c) for r in range(size) for c in range(size)]
-    picked = rng.sample(centre, 2 * opening)
+    return centre
+
+
+def opening_stones(rng, size: int, opening: int) -> list[list[Any]]:
+    """`opening` stone pairs ([row, column, "X"], then [row, column, "O"], ...) on
+    distinct `opening_cells`, drawn from `rng`."""
+    picked = rng.sample(opening_cells(size, opening), 2 * opening)
     return [[r, c, MODEL if i % 2 == 0 else OPPONENT] for i, (r, c) in enumerate(picked)]
+
+
+def opening_key(stones: list[list[Any]]) -> str:
+    """The position `stones` make, whatever their order: "X:r,c;r,c|O:r,c"."""
+    return _position_key([(r, c) for r, c, who in stones if who == MODEL],
+                         [(r, c) for r, c, who in stones if who != MODEL])
+
+
+def opening_count(size: int, opening: int) -> int:
+    """How many positions `opening_stones` can give: X cells, then O cells among the rest."""
+    n = len(opening_cells(size, opening))
+    return math.comb(n, opening) * math.comb(n - opening, opening)
+
+
+def opening_keys(size: int, opening: int) -> Iterator[str]:
+    """The `opening_key` of every position `opening_stones` can give (`opening_count` of them)."""
+    cells = opening_cells(size, opening)
+    for xs in itertools.combinations(cells, opening):
+        rest = [cell for cell in cells if cell not in xs]
+        for os_ in itertools.combinations(rest, opening):
+            yield _position_key(list(xs), list(os_))
+
+
+def _position_key(xs: list[tuple[int, int]], os_: list[tuple[int, int]]) -> str:
+    def cells(group: list[tuple[int, int]]) -> str:
+        return ";".join(f"{r},{c}" for r, c in sorted(group))
+
+    return f"X:{cells(xs)}|O:{cells(os_)}"
 
 
 def place_stones(size: int, stones: list[Any], win_length: int) -> Board:

@@ -3,6 +3,9 @@
 `prepare_gsm8k` turns GSM8K's JSONL ({"question", "answer"} with the final answer
 after "####") into Parquet once (`opentinker data gsm8k`); the env reads that
 Parquet on the envhost side, once per process.
+
+Held out: GSM8K's own files, 7,473 train and 1,319 test problems, no question in both
+(tests/unit/test_heldout_splits.py checks both); split "test" reads only test.parquet.
 """
 
 from __future__ import annotations

@@ -1,12 +1,40 @@
 """`guess-number`: data-free, multi-turn. The model guesses a hidden integer and is
-told "higher" or "lower" after each guess; it proves the agent loop end to end."""
+told "higher" or "lower" after each guess; it proves the agent loop end to end.
+
+Held out: a problem is the hidden number with its range (n, target), n problems in
+all. Up to ENUMERATE_MAX they are listed and `splits.HeldOut` makes exactly
+`held_out_count(n)` targets "test": with the default n = 16 only 3 (2, 3 and 12),
+as 16 problems cannot give 200; n = 1000 gives 200, and n < 5 none (the test split
+then asks the train targets). Above ENUMERATE_MAX a target's split is
+`splits.split_of_key`, about a fifth of them "test".
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.envhost.envs.answers import first_number
+from opentinker.services.envhost.envs.splits import ENUMERATE_MAX, HeldOut, check_split, draw, split_of_key
+
+
+def problem_key(n: int, target: int) -> str:
+    """The canonical key of the problem: hidden `target` in 1..`n`."""
+    return f"guess-number:{n}:{target}"
+
+
+@functools.lru_cache(maxsize=64)
+def held_out(n: int) -> HeldOut | None:
+    """The split of each target in 1..`n`, or None above ENUMERATE_MAX (then by hash)."""
+    return HeldOut(problem_key(n, t) for t in range(1, n + 1)) if n <= ENUMERATE_MAX else None
+
+
+def split_of(n: int, target: int) -> str:
+    """Which split the problem (n, target) belongs to; "train" for every target when
+    n < 5 (nothing is held out)."""
+    held = held_out(n)
+    return held.split_of(problem_key(n, target)) if held else split_of_key(problem_key(n, target))
 
 
 class GuessNumberGame(AbstractGame):
@@ -33,7 +61,13 @@ class GuessNumberGame(AbstractGame):
         self.target, self.turn = 0, 0
 
     def generate_initial_state(self, seed: int, split: str = "train") -> dict[str, Any]:
-        return {"target": self.rng(f"guess:{split}:{seed}").randint(1, self.n)}
+        """{"target"}: a hidden number of `split` (module docstring), drawn from `seed`.
+        Raises ValueError for a split other than "train" or "test"."""
+        check_split(split)
+        held = held_out(self.n)
+        pick = held.draw if held else draw
+        return {"target": pick(self.rng(f"guess:{split}:{seed}"), lambda r: r.randint(1, self.n),
+                               lambda t: problem_key(self.n, t), split)}
 
     def reset(self, target: int | None = None, seed: int | None = None) -> str:
         if target is None:

@@ -16,7 +16,9 @@ How an episode follows verifiers' `MultiTurnEnv.rollout` (verifiers 0.1.x,
 
 - the group's seed picks a dataset row: the train split draws from `env.dataset`, the
   test split from `env.eval_dataset`, or, without one, from a seeded tenth of the
-  dataset held out of the train split;
+  dataset held out of the train split (an env with only an `eval_dataset` is split the
+  same way, so training never sees a test row; a one-row dataset cannot be split and
+  both splits ask its row);
 - `init_state(row)` and `setup_state`; the row's prompt becomes the system prompt (its
   system messages) and the first user message (the rest; earlier turns of a few-shot
   prompt are rendered as text before the last message);
@@ -251,8 +253,8 @@ def _split_rows(env, spec: str) -> dict[str, tuple[Any, list[int]]]:
     test = env.build_eval_dataset()
     if train is None and test is None:
         raise EnvLoadError(f"--env {spec!r}: the env has neither a dataset nor an eval_dataset")
-    if train is None:  # an eval-only env: both splits draw from it
-        return {"train": (test, list(range(len(test)))), "test": (test, list(range(len(test))))}
+    if train is None:  # an eval-only env: hold a tenth of it out of training, as below
+        train, test = test, None
     n = len(train)
     if n == 0:
         raise EnvLoadError(f"--env {spec!r}: the env's dataset is empty")

@@ -7,19 +7,66 @@ played by the job's policy, each seat gets its own trajectory and reward.
   demand game, Nash 1953, "Two-person cooperative games", Econometrica 21(1)),
   repeated for a few rounds with each side told the other's last demand; both seats
   act in every phase, so neither sees the other's demand of the same round.
+
+Held out (`splits`): a problem is gomoku-duel's opening position or negotiation's pot.
+Both spaces are small enough to list, so `splits.HeldOut` puts exactly
+`held_out_count(N)` of the N problems in "test" and a group seed draws again until its
+problem is of the asked split. gomoku-duel's defaults (7x7, one stone pair on the 5x5
+centre) give N = 600 positions, 200 of them test (mirror images count as distinct);
+with more opening pairs N is too large to list and a position's split is
+`splits.split_of_key`, about a fifth "test"; with `opening=0` there is one position,
+the empty board, and nothing to hold out. negotiation's default pots 6..12 are only
+N = 7 problems, of which 1 (a pot of 9) is test: its defaults cannot give 200, and a
+fixed `pot` is one problem, asked by both splits.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
 from opentinker.environment.multi_agent import MultiAgentGame, PhaseResult
-from opentinker.services.envhost.envs.gomoku import (EMPTY, _finite, _int_in, cell_name, empties, opening_stones,
-                                                     parse_move, place_stones, render, wins_at)
+from opentinker.services.envhost.envs.gomoku import (EMPTY, _finite, _int_in, cell_name, empties, opening_count,
+                                                     opening_key, opening_keys, opening_stones, parse_move,
+                                                     place_stones, render, wins_at)
+from opentinker.services.envhost.envs.splits import ENUMERATE_MAX, HeldOut, check_split, draw, split_of_key
 
 _NUMBER = re.compile(r"-?\d+")
 DUEL_ILLEGAL = ("retry", "loss", "random")
+#: negotiation's pots when env_args.pot is not given
+POTS = range(6, 13)
+
+
+def duel_key(stones: list[list[Any]]) -> str:
+    """The canonical key of a gomoku-duel problem: its opening position."""
+    return f"gomoku-duel:{opening_key(stones)}"
+
+
+@functools.lru_cache(maxsize=64)
+def duel_held_out(size: int, opening: int) -> HeldOut | None:
+    """The split of every opening position, or None when there are more than
+    ENUMERATE_MAX (then each position's split is `splits.split_of_key`)."""
+    if opening_count(size, opening) > ENUMERATE_MAX:
+        return None
+    return HeldOut(f"gomoku-duel:{k}" for k in opening_keys(size, opening))
+
+
+def duel_split_of(size: int, opening: int, stones: list[list[Any]]) -> str:
+    """Which split the opening `stones` belong to ("train" when nothing is held out)."""
+    held = duel_held_out(size, opening)
+    return held.split_of(duel_key(stones)) if held else split_of_key(duel_key(stones))
+
+
+def negotiation_key(pot: int) -> str:
+    """The canonical key of a negotiation problem: its pot."""
+    return f"negotiation:{pot}"
+
+
+@functools.lru_cache(maxsize=1)
+def negotiation_held_out() -> HeldOut:
+    """The split of each of the default POTS."""
+    return HeldOut(negotiation_key(p) for p in POTS)
 
 
 class GomokuDuelGame(MultiAgentGame):
@@ -74,9 +121,15 @@ class GomokuDuelGame(MultiAgentGame):
         self.illegal: dict[str, int] = {}
 
     def generate_initial_state(self, seed: int, split: str = "train") -> dict[str, Any]:
-        """{"stones": [[row, column, "X" or "O"], ...]}: the opening, drawn from `seed`."""
-        return {"seed": seed, "stones": opening_stones(self.rng(f"gomoku-duel:{split}:{seed}"), self.size,
-                                                       self.opening)}
+        """{"seed", "stones": [[row, column, "X" or "O"], ...]}: the opening, a position
+        of `split` (module docstring) drawn from `seed`. Raises ValueError for a split
+        other than "train" or "test"."""
+        check_split(split)
+        held = duel_held_out(self.size, self.opening)
+        pick = held.draw if held else draw
+        stones = pick(self.rng(f"gomoku-duel:{split}:{seed}"),
+                      lambda r: opening_stones(r, self.size, self.opening), duel_key, split)
+        return {"seed": seed, "stones": stones}
 
     def reset(self, stones: list[list[Any]] | None = None, seed: int = 0, **_: Any) -> str:
         """Place the opening `stones`; black moves next. Raises ValueError naming
@@ -198,7 +251,14 @@ class NegotiationGame(MultiAgentGame):
         self.demands: dict[str, int] = {}
 
     def generate_initial_state(self, seed: int, split: str = "train") -> dict[str, Any]:
-        return {"pot": self.fixed_pot or self.rng(f"negotiation:{split}:{seed}").randint(6, 12)}
+        """{"pot"}: env_args.pot, else one of POTS of `split` (module docstring) drawn
+        from `seed`. Raises ValueError for a split other than "train" or "test"."""
+        check_split(split)
+        if self.fixed_pot:
+            return {"pot": self.fixed_pot}
+        return {"pot": negotiation_held_out().draw(self.rng(f"negotiation:{split}:{seed}"),
+                                                   lambda r: r.randint(POTS[0], POTS[-1]), negotiation_key,
+                                                   split)}
 
     def reset(self, pot: int = 10, **_: Any) -> str:
         if isinstance(pot, bool) or not isinstance(pot, int) or not 2 <= pot <= 1000:
