@@ -39,8 +39,10 @@ SamplerDtype = Literal["auto", "float32", "bfloat16"]
 LearnerDtype = Literal["auto", "float32", "bfloat16"]
 # how group-relative advantages are formed (loss.group_advantages)
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
-# how per-token losses become the step's loss (loss.aggregation_weights; verl's loss_agg_mode)
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+# how per-token losses become the step's loss (loss.aggregation_weights; verl's loss_agg_mode).
+# "auto": the estimator's own (loss.resolve_loss_agg): Dr. GRPO's "seq-mean-token-sum-norm"
+# with advantage_estimator "dr_grpo", "token-mean" with every other estimator
+LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
 def Bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
@@ -120,8 +122,11 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     the advantage (`advantage_estimator`: GRPO, Dr. GRPO, RLOO, REINFORCE++); PPO's clip
     [1 - clip_range, 1 + clip_range_high] (clip-higher, DAPO) and `dual_clip`; the
     sequence-level ratio of GSPO (`importance_sampling_level = "sequence"`); the loss
-    aggregation (`loss_agg`, verl's names); the KL estimator k1/k2/k3 to the reference
-    as a loss term or, with `kl_in_reward`, subtracted from the reward; an entropy bonus;
+    aggregation (`loss_agg`, verl's names; "auto", the default, is "seq-mean-token-sum-norm"
+    with Dr. GRPO, which drops the per-response length normalization as well as the
+    std, arXiv 2503.20783 §3.2, and "token-mean" with any other estimator); the KL
+    estimator k1/k2/k3 to the reference as a loss term or, with `kl_in_reward`,
+    subtracted from the reward; an entropy bonus;
     the learning-rate schedule after `lr_warmup_steps` (in steps); `ppo_epochs` passes
     over each step's episodes in `mini_batches` optimizer updates each; overlong
     episodes (the last turn cut by the token limit) left out (`overlong_filter`) or
@@ -201,7 +206,7 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     advantage_estimator: AdvantageEstimator = "grpo"
     clip_range_high: Bounded(float, 0, 10, note="0 = clip_range (symmetric)") = 0.0
     dual_clip: Bounded(float, 0, 100, note="0 = off, else > 1") = 0.0
-    loss_agg: LossAgg = "token-mean"
+    loss_agg: LossAgg = "auto"
     importance_sampling_level: Literal["token", "sequence"] = "token"
     rollout_is: Literal["none", "token", "sequence"] = "token"
     rollout_is_mode: Literal["truncate", "mask"] = "truncate"

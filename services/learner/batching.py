@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from opentinker.schemas import Trajectory
-from opentinker.services.learner.loss import AggTotals, batch_scale, group_advantages, turn_advantages
+from opentinker.services.learner.loss import AggTotals, batch_whitening, group_advantages, turn_advantages
 
 
 class Batch(NamedTuple):
@@ -127,8 +127,11 @@ def step_advantages(trajs: Sequence[Trajectory], prompts_per_step: int, group_si
     group_size). credit "episode": one float per episode, loss.group_advantages with
     `estimator` (GRPO's (r_i - mean) / (std + 1e-6) by default; Shao et al. 2024, arXiv
     2402.03300, eq. 3); "turn": a per-token list per episode, loss.turn_advantages with
-    `turn_discount` spread over each turn's policy tokens. "reinforce_pp" then scales
-    the whole step by loss.batch_scale.
+    `turn_discount` spread over each turn's policy tokens. "reinforce_pp" then whitens
+    the trained episodes' advantages over every policy token of the step
+    (loss.batch_whitening: A' = (A - mean) * rstd, OpenRLHF's masked whitening), so a
+    group with equal rewards gets -mean * rstd, not 0, and only counts in
+    `zero_groups` when that is 0.
     reward_bonus: [n_episodes] added to each episode's reward (its last turn's, with
     turn credit) before the advantages: the KL-in-reward penalty, DAPO's soft overlong
     penalty. mask_out: [n_episodes] True for an episode that counts in its group's
@@ -152,8 +155,6 @@ def step_advantages(trajs: Sequence[Trajectory], prompts_per_step: int, group_si
     bonus = list(reward_bonus) if reward_bonus is not None else [0.0] * n
     advantages: list[Advantage] = []
     excluded: list[bool] = []
-    zero_groups: list[bool] = []
-    whole: list[float] = []  # kept episodes' whole-return advantages (REINFORCE++'s scale)
     for g in range(prompts_per_step):
         idx = range(g * group_size, (g + 1) * group_size)
         kept = [i for i in idx if not trajs[i].error]
@@ -169,11 +170,9 @@ def step_advantages(trajs: Sequence[Trajectory], prompts_per_step: int, group_si
             [per_turn] = turn_advantages([turn_rewards], turn_discount, estimator)
             adv_kept = [token_advantages(trajs[i], a) if trajs[i].turns else [0.0] * len(trajs[i].token_ids)
                         for i, a in zip(kept, per_turn)]
-            whole += [a[0] if a else 0.0 for i, a in zip(kept, per_turn) if not (mask_out and mask_out[i])]
         elif kept:
             rewards = torch.tensor([[trajs[i].reward + bonus[i] for i in kept]], dtype=torch.float64)
             adv_kept = group_advantages(rewards, estimator).view(-1).tolist()
-            whole += [a for i, a in zip(kept, adv_kept) if not (mask_out and mask_out[i])]
         by_index = dict(zip(kept, adv_kept))
         for i in idx:
             if i in by_index:
@@ -182,14 +181,44 @@ def step_advantages(trajs: Sequence[Trajectory], prompts_per_step: int, group_si
             else:
                 advantages.append([0.0] * len(trajs[i].token_ids) if credit == "turn" else 0.0)
                 excluded.append(True)
-        zero_groups.append(all(excluded[i] or _is_zero(advantages[i]) for i in idx))
     if estimator == "reinforce_pp":
-        scale = batch_scale(whole)
-        advantages = [[x * scale for x in a] if isinstance(a, Sequence) else a * scale for a in advantages]
+        advantages = _whiten(trajs, advantages, excluded)
     for i, ex in enumerate(excluded):
         if ex:
             advantages[i] = [0.0] * len(trajs[i].token_ids) if credit == "turn" else 0.0
+    zero_groups = [all(excluded[i] or _is_zero(advantages[i]) for i in range(g * group_size, (g + 1) * group_size))
+                   for g in range(prompts_per_step)]
     return StepAdvantages(advantages, excluded, zero_groups)
+
+
+def _whiten(trajs: Sequence[Trajectory], advantages: list[Advantage], excluded: Sequence[bool]) -> list[Advantage]:
+    """REINFORCE++'s whitening of the trained episodes' advantages over their policy
+    tokens (loss.batch_whitening): an episode-level advantage weighs as many tokens as
+    its episode trains (policy_tokens), a per-token one (aligned with token_ids, as
+    token_advantages) counts at each policy token after the first (build_batch's
+    alignment) and only those change. Excluded episodes are left out and left as they are."""
+    values: list[float] = []
+    weights: list[float] = []
+    for t, a, ex in zip(trajs, advantages, excluded):
+        if ex:
+            continue
+        if isinstance(a, Sequence):
+            per_token = [a[j] for j in range(1, len(a)) if t.loss_mask[j]]
+            values += per_token
+            weights += [1.0] * len(per_token)
+        else:
+            values.append(a)
+            weights.append(float(policy_tokens(t)))
+    mean, rstd = batch_whitening(values, weights)
+    out: list[Advantage] = []
+    for t, a, ex in zip(trajs, advantages, excluded):
+        if ex:
+            out.append(a)
+        elif isinstance(a, Sequence):  # the other positions stay 0, as token_advantages leaves them
+            out.append([(x - mean) * rstd if j and t.loss_mask[j] else x for j, x in enumerate(a)])
+        else:
+            out.append((a - mean) * rstd)
+    return out
 
 
 def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pad_id: int,

@@ -66,6 +66,42 @@ def _init_distributed(device: str) -> tuple[int, int]:
     return 0, 1
 
 
+def deepspeed_config(spec: JobSpec, world_size: int, dtype: str) -> dict:
+    """The DeepSpeed config of a job's engine on `world_size` data-parallel ranks;
+    `dtype` is the learner's resolved dtype ("float32" or "bfloat16").
+
+    Micro-batches accumulate over a variable count, with the boundary set by hand
+    (train_step), so DeepSpeed's own accumulation count is 1. In bfloat16, gradients
+    accumulate in float32 (`"data_types": {"grad_accum_dtype": "fp32"}`, DeepSpeed's
+    config docs): summed in bfloat16, every micro-batch's addition rounds the sum to
+    8 significant bits. DeepSpeed (0.19) accumulates a bfloat16 model's gradients in
+    float32 only under ZeRO (stage 1: its BF16_Optimizer; 2 and 3: the ZeRO
+    optimizer's float32 buffers) and refuses the mix without it (NotImplementedError,
+    engine._do_optimizer_sanity_check), so a bfloat16 job of zero_stage 0 runs at
+    stage 1: the same update (float32 master weights, optimizer state and gradient
+    sums), its optimizer state split over the ranks (nothing to split on one rank).
+    A tinker session keeps stage 0 (it accumulates in .grad across calls) and with
+    it bfloat16 sums.
+    """
+    bf16 = dtype == "bfloat16"
+    stage = max(spec.zero_stage, 1) if bf16 and spec.algorithm != "tinker" else spec.zero_stage
+    config = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": spec.micro_batch_size * world_size,
+        # a tinker session clips by each optim_step's own grad_clip_norm (tinker_optim_step)
+        "gradient_clipping": 0.0 if spec.algorithm == "tinker" else spec.max_grad_norm,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if bf16 and stage > 0:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
 class TrainEngine:
     """A job's policy, optimizer and (when kl_coef > 0) reference policy.
 
@@ -128,22 +164,11 @@ class TrainEngine:
         params = [p for p in model.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in params)  # before ZeRO-3 partitions them
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
-        config = {
-            # accumulation over a variable number of micro-batches: boundaries by hand
-            "train_micro_batch_size_per_gpu": spec.micro_batch_size,
-            "gradient_accumulation_steps": 1,
-            "train_batch_size": spec.micro_batch_size * self.world_size,
-            # a tinker session clips by each optim_step's own grad_clip_norm (tinker_optim_step)
-            "gradient_clipping": 0.0 if spec.algorithm == "tinker" else spec.max_grad_norm,
-            "zero_optimization": {"stage": spec.zero_stage},
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": self.dtype == "bfloat16"},
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        }
+        config = deepspeed_config(spec, self.world_size, self.dtype)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         log.info("engine ready: %s, %d trainable parameters, ZeRO %d, %s, %s, rank %d of %d",
-                 self.kind, self.n_trainable, spec.zero_stage, self.dtype, device, self.rank, self.world_size)
+                 self.kind, self.n_trainable, config["zero_optimization"]["stage"], self.dtype, device,
+                 self.rank, self.world_size)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -289,7 +314,7 @@ class TrainEngine:
                     if cfg.rollout_is != "none":
                         lp_prox = prox[id(mb0)].to(self.device) if prox else logp.detach()
                     out = policy_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, cfg,
-                                      weights=aggregation_weights(mb.loss_mask, self.spec.loss_agg, tot),
+                                      weights=aggregation_weights(mb.loss_mask, cfg.loss_agg, tot),
                                       logp_prox=lp_prox, logp_ref=ref, entropy=entropy)
                     # DeepSpeed averages gradients over the ranks: times world_size, the
                     # ranks' sum is the whole update's gradient, as on one rank
@@ -506,6 +531,12 @@ class TrainEngine:
         saved = self.saved_world_size(directory)
         # per-rank optimizer partitions (ZeRO 1-3; DeepSpeed's bf16 optimizer at stage 0)
         partitioned = any((directory / DS_TAG).glob("*optim_states.pt"))
+        if optimizer and not partitioned and self.engine.zero_optimization():
+            # a bfloat16 job's state from before such jobs ran at ZeRO 1 (deepspeed_config):
+            # its optimizer state, kept without ZeRO, does not load into a ZeRO optimizer
+            log.warning("%s holds no ZeRO optimizer state (saved at ZeRO 0): resuming its weights "
+                        "with a fresh optimizer", directory)
+            optimizer = False
         if partitioned and saved != self.world_size:
             universal = directory / "universal"
             if self.rank == 0:

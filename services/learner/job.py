@@ -50,7 +50,7 @@ from opentinker.services.learner.batching import (Batch, StepAdvantages, build_b
                                                   micro_batch_indices, micro_batches, plan_updates, policy_tokens,
                                                   step_advantages)
 from opentinker.services.learner.evaluation import Evaluator
-from opentinker.services.learner.ledger import Delivery, TrajectoryLedger, by_seat, seats_complete
+from opentinker.services.learner.ledger import Delivery, StepStats, TrajectoryLedger, by_seat, seats_complete
 from opentinker.services.learner.loss import kl_estimate, lr_factor, overlong_penalty
 # SERVICE and JobStopped are imported from here too (service.py)
 from opentinker.services.learner.lifecycle import SERVICE, JobStopped, RunLifecycle  # noqa: F401
@@ -95,17 +95,6 @@ class Held:
 
     traj: Trajectory
     msg: Msg
-
-
-@dataclass
-class StepStats:
-    dropped_stale: int = 0
-    dropped_invalid: int = 0
-    dropped_error: int = 0   # groups whose every episode ended on an error
-    timed_out: int = 0       # groups asked again after rollout_timeout_s
-    refilled: int = 0        # zero-variance groups replaced by a fresh prompt (dynamic_sampling)
-    failed_over: int = 0     # groups asked again because their rollout worker left the pool
-    wait_s: float = 0.0
 
 
 class JobRun(RunLifecycle):
@@ -388,9 +377,11 @@ class JobRun(RunLifecycle):
     async def refill_group(self, s: int, i: int) -> None:
         """Replace group `i` of step `s` by a new attempt on a fresh prompt (its group
         seed derives from the refill's index); the old attempt's episodes are acked
-        and never trained. A resumed run forgets the indices: a group it has to ask
-        again goes back to its first prompt."""
-        for held in self.ledger.drop(s, i):
+        and never trained, but their rewards count in the step's reward_mean. A resumed
+        run forgets the indices: a group it has to ask again goes back to its first prompt."""
+        dropped = self.ledger.drop(s, i)
+        self.stats.refilled_rewards += [h.traj.reward for h in dropped]
+        for held in dropped:
             await held.msg.ack()
         self.refill_index[(s, i)] = self.refill_index.get((s, i), 0) + 1
         self.stats.refilled += 1
@@ -437,6 +428,7 @@ class JobRun(RunLifecycle):
         if metrics is not None:
             for rid in [r for r, (req, _) in self.eval_asked_on.items() if req.step == metrics.policy_version]:
                 del self.eval_asked_on[rid]
+            await self.drop_unkept_weights()
             await self.bus.publish(self.subject("metrics"), metrics,
                                    msg_id=f"{self.job_id}-eval-m{metrics.policy_version}-r{self.run_id}")
             log.info("job %s eval at policy version %d: reward %.3f, correct %.3f",
@@ -563,6 +555,8 @@ class JobRun(RunLifecycle):
         gen_tokens = sum(sum(t.loss_mask) for t in trajs)
         values = {
             **episode_stats(trajs),  # reward_mean/std, correct_frac, lengths, turns, error_frac, episodes
+            # reward_mean over the dynamic-sampling groups replaced too; reward_mean_kept without
+            **self.stats.reward_means([t.reward for t in trajs]),
             **seat_stats(trajs),     # reward_mean/<seat> of a multi-agent job
             **lag_stats(trajs),      # policy_lag_mean/max
             **token_stats(out),      # kl, entropy, clip_frac, ...: none for a step that forwarded no token

@@ -16,11 +16,16 @@ checkpointed step. A resumed run replays from floor + 1 and skips `used`, so it
 neither loses nor repeats a trajectory. In a checkpoint's metadata these are the
 keys "traj_floor", "traj_used" and "attempts" (the attempt of every group of the
 steps after the checkpointed one).
+
+StepStats counts what the run dropped or asked again while it waited for a step.
 """
 
 from __future__ import annotations
 
 import enum
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 H = TypeVar("H")  # what the caller keeps per trajectory (job.py: the message, to ack)
@@ -183,6 +188,33 @@ class TrajectoryLedger(Generic[H]):
         self.used = {q for q in self.used if q > floor}
         self.seen = {q for q in self.seen if q > floor}
         self.skip = {q for q in self.skip if q > floor}
+
+
+@dataclass
+class StepStats:
+    """What a run dropped or asked again while it waited for one step (its metrics)."""
+
+    dropped_stale: int = 0
+    dropped_invalid: int = 0
+    dropped_error: int = 0   # groups whose every episode ended on an error
+    timed_out: int = 0       # groups asked again after rollout_timeout_s
+    refilled: int = 0        # zero-variance groups replaced by a fresh prompt (dynamic_sampling)
+    failed_over: int = 0     # groups asked again because their rollout worker left the pool
+    wait_s: float = 0.0
+    # the episode rewards of the groups replaced by dynamic sampling: sampled, not trained
+    refilled_rewards: list[float] = field(default_factory=list)
+
+    def reward_means(self, trained: Sequence[float]) -> dict[str, float]:
+        """`reward_mean` over every episode sampled for the step, the trained ones
+        (`trained`, their rewards) and those of the groups dynamic sampling replaced,
+        and `reward_mean_kept` over the trained ones (0.0 for none). Dynamic sampling
+        (DAPO, arXiv 2503.14476 §3.2) replaces the groups whose rewards are all equal,
+        all solved as often as all failed; the mean of the kept groups alone is not the
+        policy's reward (on a task it mostly solves, it reads lower; on one it mostly
+        fails, higher), and it moves with how many groups were replaced."""
+        sampled = [*trained, *self.refilled_rewards]
+        return {"reward_mean": statistics.fmean(sampled) if sampled else 0.0,
+                "reward_mean_kept": statistics.fmean(trained) if trained else 0.0}
 
 
 def by_seat(held: list[H]) -> list[H]:

@@ -35,8 +35,9 @@ def group_advantages(rewards: torch.Tensor, estimator: str = "grpo") -> torch.Te
     - "rloo": A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean(r)), the
       leave-one-out baseline. Kool et al. 2019 (ICLR workshop); Ahmadian et al. 2024,
       arXiv 2402.14740 eq. 7.
-    - "reinforce_pp": r_i - mean(r) here; the caller divides by the std over the whole
-      batch (batch_scale). REINFORCE++-baseline, Hu et al. 2025, arXiv 2501.03262.
+    - "reinforce_pp": r_i - mean(r) here; the caller then whitens over every policy
+      token of the batch (batch_whitening). REINFORCE++-baseline, Hu et al. 2025, arXiv
+      2501.03262.
     A group whose std is below ADV_EPS gets exactly 0 for every episode, whatever the
     estimator: its rewards are equal (up to rounding), so it carries no group-relative
     signal. Raises ValueError if rewards is not 2-D with group_size >= 2 or for an
@@ -61,18 +62,32 @@ def _scaled(centered, std, group_size: int, estimator: str):
     raise ValueError(f"advantage estimator must be one of {ESTIMATORS}, got {estimator!r}")
 
 
-def batch_scale(episode_advantages: Sequence[float]) -> float:
-    """REINFORCE++'s batch normalization as a factor: 1 / (std + 1e-6), the population
-    std of the batch's group-centred episode advantages (each episode's whole-return
-    advantage; episodes left out of the loss are left out here too). Group-centred
-    advantages have batch mean 0 already, so only the scale changes and a zero
-    advantage stays exactly 0. 1.0 when the std is below ADV_EPS (no signal at all).
-    Source: Hu et al. 2025, arXiv 2501.03262 §3.2 (global batch normalization).
+WHITEN_VAR_MIN = 1e-8  # OpenRLHF's var.clamp(min=1e-8) before the rsqrt
+
+
+def batch_whitening(values: Sequence[float], weights: Sequence[float]) -> tuple[float, float]:
+    """REINFORCE++'s global batch normalization as (mean, rstd): A' = (A - mean) * rstd
+    whitens the advantages over every policy token of the step.
+
+    values: [n] advantages; weights: [n] how many policy tokens carry each one (an
+    episode-level advantage: its episode's policy tokens; a per-token one: 1). mean
+    and var are the token-weighted mean and population variance, rstd = 1 / sqrt(max(var,
+    1e-8)) (OpenRLHF's clamp): each policy token counts once, so a long episode weighs
+    more than a short one. (0.0, 1.0) when no value has a token.
+    Sources: Hu et al. 2025, REINFORCE++, arXiv 2501.03262 §3 (the advantage normalized
+    by its mean and std over the global batch; "-baseline": the group mean subtracted
+    first); OpenRLHF's experience_maker.compute_advantages_and_returns
+    ("reinforce", "reinforce_baseline": masked mean and variance over the action tokens
+    of all experiences).
     """
-    if len(episode_advantages) < 2:
-        return 1.0
-    std = float(torch.tensor(list(episode_advantages), dtype=torch.float64).std(unbiased=False))
-    return 1.0 if std < ADV_EPS else 1.0 / (std + ADV_EPS)
+    v = torch.tensor(list(values), dtype=torch.float64)
+    w = torch.tensor(list(weights), dtype=torch.float64)
+    n = float(w.sum())
+    if n <= 0:
+        return 0.0, 1.0
+    mean = float((v * w).sum()) / n
+    var = float(((v - mean) ** 2 * w).sum()) / n
+    return mean, max(var, WHITEN_VAR_MIN) ** -0.5
 
 
 def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
@@ -243,6 +258,26 @@ def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
+def resolve_loss_agg(mode: str, estimator: str) -> str:
+    """JobSpec.loss_agg as the loss applies it: "auto" is the estimator's own
+    aggregation, any other mode is kept (a user's explicit choice wins).
+
+    "auto" with "dr_grpo": "seq-mean-token-sum-norm". Dr. GRPO removes two biases of
+    GRPO, the division by the group's std and the per-response 1/|o_i| (which favours
+    long wrong answers), and sums each response's token losses over a constant
+    instead (Liu et al. 2025, arXiv 2503.20783 §3.2; verl's Dr. GRPO recipe,
+    docs/algo/grpo.md: `loss_agg_mode=seq-mean-token-sum-norm` with
+    `norm_adv_by_std_in_grpo=False`). Centring alone, with token-mean, would keep
+    the length normalization. "auto" with any other estimator: "token-mean" (DAPO's,
+    the default before "auto"). Raises ValueError for an unknown mode.
+    """
+    if mode == "auto":
+        return "seq-mean-token-sum-norm" if estimator == "dr_grpo" else "token-mean"
+    if mode not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be 'auto' or one of {LOSS_AGGS}, got {mode!r}")
+    return mode
+
+
 class AggTotals(NamedTuple):
     """What an update's loss is normalized by: its policy tokens, its sequences with a
     policy token, and Dr. GRPO's constant generation budget L (tokens)."""
@@ -290,7 +325,8 @@ class LossConfig(NamedTuple):
     sequence ratio); rollout_is / rollout_is_mode / rollout_is_threshold: the
     behaviour-policy correction (rollout_is_weights); kl_coef / kl_estimator: the KL
     penalty to the reference as a loss term (0 = off); entropy_coef: an entropy bonus
-    (the loss subtracts coef * entropy; Williams & Peng 1991; Mnih et al. 2016 A3C).
+    (the loss subtracts coef * entropy; Williams & Peng 1991; Mnih et al. 2016 A3C);
+    loss_agg: the aggregation of aggregation_weights, resolved (resolve_loss_agg).
     """
 
     clip_low: float = 0.2
@@ -303,16 +339,19 @@ class LossConfig(NamedTuple):
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
 
     @classmethod
     def from_spec(cls, spec) -> "LossConfig":
-        """The options of a JobSpec (kl_coef applies to the loss only without kl_in_reward)."""
+        """The options of a JobSpec (kl_coef applies to the loss only without
+        kl_in_reward; loss_agg "auto" resolved for the job's estimator)."""
         return cls(clip_low=spec.clip_range, clip_high=spec.clip_range_high or spec.clip_range,
                    dual_clip=spec.dual_clip, ratio_level=spec.importance_sampling_level,
                    rollout_is=spec.rollout_is, rollout_is_mode=spec.rollout_is_mode,
                    rollout_is_threshold=spec.rollout_is_threshold,
                    kl_coef=0.0 if spec.kl_in_reward else spec.kl_coef, kl_estimator=spec.kl_estimator,
-                   entropy_coef=spec.entropy_coef)
+                   entropy_coef=spec.entropy_coef,
+                   loss_agg=resolve_loss_agg(spec.loss_agg, spec.advantage_estimator))
 
 
 def rollout_is_weights(logp_prox: torch.Tensor, logp_behav: torch.Tensor, loss_mask: torch.Tensor,

@@ -1,5 +1,7 @@
 """Trajectories -> target-aligned tensors: shifting, padding, micro-batches, checks."""
 
+import math
+
 import msgspec
 import pytest
 import torch
@@ -157,25 +159,59 @@ def test_step_advantages_without_errors_are_grpos_and_check_the_step_size():
 
 # --- the objective's options at the step level (estimators, reward shaping, filtering) ---
 
-def test_reinforce_pp_scales_the_group_centred_advantages_over_the_whole_step():
+def test_reinforce_pp_whitens_the_group_centred_advantages_over_the_whole_step():
     from opentinker.services.learner.batching import step_advantages
 
     # group 0 [1, 0, 0]: mean 1/3 -> [2/3, -1/3, -1/3]; group 1 [2, 2, -1]: mean 1 -> [1, 1, -2]
     rewards = [1.0, 0.0, 0.0, 2.0, 2.0, -1.0]
     centred = [2 / 3, -1 / 3, -1 / 3, 1.0, 1.0, -2.0]
-    # population std over the step (mean 0): sqrt((4/9 + 1/9 + 1/9 + 1 + 1 + 4) / 6) = sqrt(10/9)
-    scale = 1 / ((10 / 9) ** 0.5 + 1e-6)
+    # 2 policy tokens each: token mean 0, variance (4/9 + 1/9 + 1/9 + 1 + 1 + 4) / 6 = 10/9
+    rstd = (10 / 9) ** -0.5
     step = step_advantages([episode(r, group=k // 3, k=k) for k, r in enumerate(rewards)],
                            prompts_per_step=2, group_size=3, estimator="reinforce_pp")
-    assert step.advantages == pytest.approx([c * scale for c in centred], rel=1e-6)
-    # an errored episode is left out of its group's mean and of the step's scale
+    assert step.advantages == pytest.approx([c * rstd for c in centred], rel=1e-6)
+    # an errored episode is left out of its group's mean and of the step's statistics
     trajs = [episode(r, group=k // 3, k=k) for k, r in enumerate(rewards)]
     trajs[5] = episode(-1.0, "env crashed", group=1, k=5)
     step = step_advantages(trajs, prompts_per_step=2, group_size=3, estimator="reinforce_pp")
-    # group 1 is now [2, 2]: all 0; the scale is over [2/3, -1/3, -1/3, 0, 0]: sqrt((6/9) / 5)
-    scale = 1 / ((6 / 45) ** 0.5 + 1e-6)
-    assert step.advantages == pytest.approx([2 / 3 * scale, -1 / 3 * scale, -1 / 3 * scale, 0, 0, 0], rel=1e-6)
+    # group 1 is now [2, 2]: all 0; the statistics over [2/3, -1/3, -1/3, 0, 0]: mean 0, var (6/9) / 5
+    rstd = (6 / 45) ** -0.5
+    assert step.advantages == pytest.approx([2 / 3 * rstd, -1 / 3 * rstd, -1 / 3 * rstd, 0, 0, 0], rel=1e-6)
     assert step.zero_groups == [False, True]
+
+
+def _answer(reward, n_policy, group, k):
+    """A one-turn episode of prompt [1, 2] and `n_policy` policy tokens."""
+    ids = [1, 2] + [3] * n_policy
+    return Trajectory(job_id="j", request_id=f"r{group}", episode_id=f"g{group}e{k}", step=0, group_index=group,
+                      group_size=2, token_ids=ids, loss_mask=[0, 0] + [1] * n_policy,
+                      logprobs=[0.0, 0.0] + [-1.0] * n_policy, prompt_len=2,
+                      turns=[TurnRecord(gen_start=2, gen_end=len(ids), obs_end=len(ids), reward=reward)],
+                      reward=reward, policy_version=0)
+
+
+def test_reinforce_pp_whitens_over_tokens_so_long_answers_count_for_their_length():
+    """REINFORCE++ normalizes over the batch's tokens (arXiv 2501.03262 §3; OpenRLHF's
+    masked mean and variance over every action token): a wrong answer of 3 tokens
+    counts 3 times in the mean and the variance, and a group of equal rewards, centred
+    to 0, moves by -mean * rstd like every other token (so it is no zero group)."""
+    from opentinker.services.learner.batching import step_advantages
+
+    # group 0 [1, 0] with 1 and 3 policy tokens -> [0.5, -0.5]; group 1 [1, 1], 2 tokens each -> [0, 0]
+    trajs = [_answer(1.0, 1, 0, 0), _answer(0.0, 3, 0, 1), _answer(1.0, 2, 1, 0), _answer(1.0, 2, 1, 1)]
+    # tokens: 0.5 x1, -0.5 x3, 0 x4: mean -1/8; variance (0.625^2 + 3 * 0.375^2 + 4 * 0.125^2) / 8
+    mean, var = -1 / 8, (0.625 ** 2 + 3 * 0.375 ** 2 + 4 * 0.125 ** 2) / 8
+    expected = [(a - mean) / math.sqrt(var) for a in (0.5, -0.5, 0.0, 0.0)]
+    step = step_advantages(trajs, prompts_per_step=2, group_size=2, estimator="reinforce_pp")
+    assert step.advantages == pytest.approx(expected, rel=1e-9)
+    per_token = [a for a, t in zip(step.advantages, trajs) for _ in range(sum(t.loss_mask[1:]))]
+    assert sum(per_token) / 8 == pytest.approx(0.0, abs=1e-12)  # whitened over the tokens
+    assert sum(x * x for x in per_token) / 8 == pytest.approx(1.0, rel=1e-9)
+    assert step.zero_groups == [False, False]
+    # turn credit: the same numbers on every policy token, 0 on the prompt
+    turn = step_advantages(trajs, prompts_per_step=2, group_size=2, credit="turn", estimator="reinforce_pp")
+    for a, t, e in zip(turn.advantages, trajs, expected):
+        assert a[:2] == [0.0, 0.0] and a[2:] == pytest.approx([e] * (len(t.token_ids) - 2), rel=1e-9)
 
 
 def test_rloo_and_dr_grpo_step_advantages():

@@ -1,12 +1,16 @@
 """DAPO's dynamic sampling (arXiv 2503.14476 §3.2): a replaced group gets a fresh prompt
 whose seed is a pure function of the job seed, step, group and replacement index; the
-spec field is bounded. The replacement itself runs through the services in
-tests/integration/test_objective_jobs.py ("dynamic")."""
+spec field is bounded; the step's reward_mean counts the replaced groups. The
+replacement itself runs through the services in tests/integration/test_objective_jobs.py
+("dynamic")."""
+
+import asyncio
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
-from opentinker.schemas import JobSpec
+from opentinker.schemas import JobSpec, Trajectory, TurnRecord
 from opentinker.schemas.job import spec_from_dict
 from opentinker.services.learner.job import group_seed
 
@@ -26,3 +30,60 @@ def test_dynamic_sampling_is_off_by_default_and_bounded():
     assert spec_from_dict({"dynamic_sampling": 4}).dynamic_sampling == 4
     with pytest.raises((msgspec.ValidationError, ValueError), match="dynamic_sampling"):
         spec_from_dict({"dynamic_sampling": -1})
+
+
+class _Msg:
+    """A JetStream message stand-in: counts its acks."""
+
+    def __init__(self):
+        self.acked = 0
+
+    async def ack(self):
+        self.acked += 1
+
+
+def _episode(group: int, k: int, reward: float, attempt: int = 0) -> Trajectory:
+    return Trajectory(job_id="j", request_id=f"j-s0-g{group}-a{attempt}", episode_id=f"g{group}a{attempt}e{k}",
+                      step=0, group_index=group, group_size=2, token_ids=[1, 2, 3], loss_mask=[0, 0, 1],
+                      logprobs=[0.0, 0.0, -1.0], prompt_len=2,
+                      turns=[TurnRecord(gen_start=2, gen_end=3, obs_end=3, reward=reward)], reward=reward,
+                      policy_version=0)
+
+
+def test_the_step_s_reward_mean_counts_the_groups_dynamic_sampling_replaced():
+    """DAPO's dynamic sampling drops the groups whose rewards are all equal and samples
+    more (arXiv 2503.14476 §3.2). The step's reward_mean is the policy's: over every
+    episode sampled for the step, the replaced groups' too; the trained groups' alone
+    is reward_mean_kept."""
+    from opentinker.services.learner import job
+    from opentinker.services.learner.ledger import TrajectoryLedger
+
+    run = job.JobRun.__new__(job.JobRun)  # the methods under test, without a bus or an engine
+    run.spec = JobSpec(prompts_per_step=2, group_size=2, dynamic_sampling=4)
+    run.ledger = TrajectoryLedger("j", "", steps=1, prompts_per_step=2, group_size=2)
+    run.stats, run.refill_index, run.weights_s = job.StepStats(), {}, 0.0
+    run.engine = SimpleNamespace(world_size=1)
+    asked, published = [], {}
+
+    async def request_group(s, i):
+        asked.append((s, i))
+
+    async def step_done(s, values, request_ids):
+        published.update(values)
+
+    run.request_group, run.step_done = request_group, step_done
+    run.ledger.open(0)
+    # group 0 solved by both episodes: no signal, replaced by a group that solves 1 of 2
+    solved = [job.Held(_episode(0, k, 1.0), _Msg()) for k in range(2)]
+    for seq, h in enumerate(solved):
+        run.ledger.hold(seq, 0, run.ledger.current_request_id(0, 0), h.traj.episode_id, h)
+    assert run.refill_due(0, 0, solved)
+    asyncio.run(run.refill_group(0, 0))
+    assert asked == [(0, 0)] and all(h.msg.acked == 1 for h in solved)
+    trained = [_episode(0, 0, 1.0, 1), _episode(0, 1, 0.0, 1), _episode(1, 0, 0.0), _episode(1, 1, 1.0)]
+    out = dict(loss=0.0, grad_norm=0.0, tokens=0.0, excluded_frac=0.0, zero_variance_frac=0.0, skipped_frac=0.0,
+               lr=1e-3, updates=1.0, fwd_bwd_s=0.0, optimizer_s=0.0)
+    asyncio.run(run.publish_metrics(0, trained, out, 1.0, 1.0))
+    assert published["reward_mean"] == pytest.approx((1 + 1 + 1 + 0 + 0 + 1) / 6)  # all 6 sampled
+    assert published["reward_mean_kept"] == pytest.approx(2 / 4)  # the 4 trained
+    assert published["refilled"] == 1.0

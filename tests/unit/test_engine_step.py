@@ -102,6 +102,40 @@ def test_a_bfloat16_learner_on_cpu_attends_eagerly_with_sdpa_s_logprobs(tiny_mod
         fp32.close()
 
 
+def test_a_bfloat16_learner_sums_micro_batch_gradients_in_float32():
+    """In bfloat16 each micro-batch's gradient would be added into a bfloat16 sum (8
+    significant bits); the config asks DeepSpeed for float32 sums (`data_types.
+    grad_accum_dtype`), which it gives under ZeRO only, so stage 0 runs at stage 1. A
+    float32 learner, and a tinker session (stage 0, .grad across calls), are unchanged."""
+    from opentinker.services.learner.engine_deepspeed import deepspeed_config
+
+    for stage in (0, 1, 2, 3):
+        c = deepspeed_config(JobSpec(zero_stage=stage), 1, "bfloat16")
+        assert c["bf16"] == {"enabled": True} and c["data_types"] == {"grad_accum_dtype": "fp32"}
+        assert c["zero_optimization"] == {"stage": max(stage, 1)}
+    f32 = deepspeed_config(JobSpec(zero_stage=0, micro_batch_size=4), 2, "float32")
+    assert "data_types" not in f32 and f32["zero_optimization"] == {"stage": 0} and not f32["bf16"]["enabled"]
+    assert (f32["train_micro_batch_size_per_gpu"], f32["train_batch_size"], f32["gradient_accumulation_steps"]) == \
+        (4, 8, 1)
+    tinker = deepspeed_config(JobSpec(algorithm="tinker"), 1, "bfloat16")
+    assert "data_types" not in tinker and tinker["zero_optimization"] == {"stage": 0}
+
+
+def test_a_bfloat16_engine_accumulates_in_float32_and_updates_once(tiny_model, rank_env):
+    eng = _engine(tiny_model, dtype="bfloat16")  # zero_stage 0
+    try:
+        assert eng.engine.get_data_types() == (torch.bfloat16, torch.float32)
+        trajs = [_traj(i, 4 + i, 3, float(i % 2)) for i in range(4)]
+        mbs = micro_batches(trajs, [1.0, -1.0, 1.0, -1.0], 1, eng.pad_id)  # 4 micro-batches, one update
+        tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=4.0, max_len=32.0)
+        before, steps0 = _params(eng), eng.engine.global_steps
+        out = eng.train_step([mbs], [tot], [1e-3])
+        assert eng.engine.global_steps == steps0 + 1 and out["grad_norm"] > 0
+        assert not torch.equal(before, _params(eng))
+    finally:
+        eng.close()
+
+
 def test_one_optimizer_update_per_planned_update(tiny_model, rank_env):
     eng = _engine(tiny_model, rollout_is="token")
     try:

@@ -10,10 +10,11 @@ import math
 import pytest
 import torch
 
-from opentinker.schemas.job import JobSpec, SamplingParams, SpecError, validate_job_spec
-from opentinker.services.learner.loss import (AggTotals, LossConfig, aggregation_weights, batch_scale,
+from opentinker.schemas.job import JobSpec, SamplingParams, SpecError, spec_from_dict, validate_job_spec
+from opentinker.services.learner.loss import (AggTotals, LossConfig, aggregation_weights, batch_whitening,
                                               group_advantages, kl_estimate, lr_factor, overlong_penalty,
-                                              policy_loss, rollout_is_weights, turn_advantages)
+                                              policy_loss, resolve_loss_agg, rollout_is_weights,
+                                              turn_advantages)
 
 EPS = 1e-6  # the advantage denominator's floor
 
@@ -61,16 +62,21 @@ def test_rloo_subtracts_the_mean_of_the_other_episodes():
     assert adv == pytest.approx([1 - 0.5 / 3, -0.5, 0.5 - 1 / 3, -0.5], rel=1e-6)
 
 
-def test_reinforce_pp_centres_per_group_and_batch_scale_is_the_population_std():
+def test_reinforce_pp_centres_per_group_and_whitens_over_the_batch_s_tokens():
     adv = group_advantages(torch.tensor([REWARDS, [2.0, 2.0, 0.0, 4.0]]), "reinforce_pp").tolist()
     assert adv[0] == pytest.approx([0.625, -0.375, 0.125, -0.375], rel=1e-6)
     assert adv[1] == pytest.approx([0.0, 0.0, -2.0, 2.0], rel=1e-6)
     flat = adv[0] + adv[1]
-    # population std of [0.625, -0.375, 0.125, -0.375, 0, 0, -2, 2] (mean 0): sqrt(8.6875 / 8)
-    assert pop_std(flat) == pytest.approx(math.sqrt(8.6875 / 8), rel=1e-6)
-    assert batch_scale(flat) == pytest.approx(1 / (math.sqrt(8.6875 / 8) + EPS), rel=1e-9)
-    assert batch_scale([0.5, -0.5]) == pytest.approx(1 / (0.5 + EPS), rel=1e-9)  # not the sample std 0.707
-    assert batch_scale([0.0, 0.0, 0.0]) == 1.0 and batch_scale([0.3]) == 1.0
+    # one token each: the plain mean 0 and population variance 8.6875 / 8
+    mean, rstd = batch_whitening(flat, [1.0] * 8)
+    assert mean == pytest.approx(0.0, abs=1e-12) and rstd == pytest.approx(1 / math.sqrt(8.6875 / 8), rel=1e-9)
+    # a value carried by 3 tokens counts 3 times (OpenRLHF's masked mean over action tokens):
+    # values [1, -1] on 3 and 1 tokens: mean (3 - 1) / 4 = 0.5, var (3 * 0.25 + 2.25) / 4 = 0.75
+    mean, rstd = batch_whitening([1.0, -1.0], [3.0, 1.0])
+    assert (mean, rstd) == pytest.approx((0.5, 1 / math.sqrt(0.75)), rel=1e-9)
+    # no spread: rstd at OpenRLHF's floor 1 / sqrt(1e-8); no token at all: unchanged
+    assert batch_whitening([0.0, 0.0], [2.0, 5.0]) == pytest.approx((0.0, 1e4), rel=1e-9)
+    assert batch_whitening([0.3], [0.0]) == (0.0, 1.0)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
@@ -437,6 +443,25 @@ def test_loss_config_from_spec():
     # the defaults: symmetric clip, token-level correction of the behaviour policy
     d = LossConfig.from_spec(JobSpec())
     assert (d.clip_low, d.clip_high, d.rollout_is, d.kl_coef, d.dual_clip) == (0.2, 0.2, "token", 0.0, 0.0)
+
+
+def test_dr_grpo_sums_each_response_over_a_constant_unless_the_spec_names_an_aggregation():
+    """Dr. GRPO (arXiv 2503.20783 §3.2) drops GRPO's 1/|o_i| as well as the std: with
+    loss_agg left at "auto" its loss is each response's token sum over S * L (verl's
+    seq-mean-token-sum-norm), so a long response's tokens weigh as much as a short one's
+    do; every other estimator keeps token-mean, and an explicit choice is kept."""
+    assert JobSpec().loss_agg == "auto" and spec_from_dict({"loss_agg": "auto"}).loss_agg == "auto"
+    dr = LossConfig.from_spec(JobSpec(advantage_estimator="dr_grpo"))
+    assert dr.loss_agg == "seq-mean-token-sum-norm"
+    # two responses of 2 and 4 policy tokens, L = 8: each token weighs 1 / (2 * 8)
+    assert aggregation_weights(AGG_MASK, dr.loss_agg, AggTotals(6.0, 2.0, 8.0)).tolist() == [1 / 16, 1 / 16]
+    for est in ("grpo", "rloo", "reinforce_pp"):
+        assert LossConfig.from_spec(JobSpec(advantage_estimator=est)).loss_agg == "token-mean"
+    explicit = JobSpec(advantage_estimator="dr_grpo", loss_agg="token-mean")
+    assert LossConfig.from_spec(explicit).loss_agg == "token-mean"
+    assert resolve_loss_agg("seq-mean-token-mean", "dr_grpo") == "seq-mean-token-mean"
+    with pytest.raises(ValueError, match="loss_agg"):
+        resolve_loss_agg("sum", "grpo")
 
 
 @pytest.mark.parametrize("kw,field", [

@@ -91,3 +91,29 @@ def test_plan_restores_old_targets_and_sends_fused_siblings():
     assert torch.equal(plan["l.q_proj.weight"], base["l.q_proj.weight"])
     held.commit(job_b)
     assert sorted(held.plan({})) == ["l.o_proj.weight"]
+
+
+def test_an_early_lora_update_survives_the_merge_into_a_bfloat16_checkpoint():
+    """A bfloat16 checkpoint (W0) and an early adapter (|B| ~ 1e-4): the merged delta is
+    W0 + scale B A computed in float32 and rounded once, by the engine that loads it.
+    Cast back to W0's bfloat16, as the merge did, the delta was mostly lost (relative
+    error 0.86, the same a bfloat16 engine keeps: its one rounding is that one); a
+    float32 engine now receives it with float32's error."""
+    torch.manual_seed(0)
+    n, r, scale = 576, 8, 2.0
+    w0 = (torch.randn(n, n) * 0.02).to(torch.bfloat16)
+    a = (torch.rand(r, n) * 2 - 1) / n ** 0.5  # peft's kaiming-uniform lora_A
+    b = torch.randn(n, r) * 1e-4
+    exact = scale * (b.double() @ a.double())
+
+    def delta_error(merged: torch.Tensor) -> float:
+        d = merged.double() - w0.double()
+        return float((d - exact).norm() / exact.norm())
+
+    merged = merge_lora({"w": w0}, {"w": (a, b)}, scale)["w"]
+    assert merged.dtype == torch.float32 and delta_error(merged) < 1e-3  # ~4e-5
+    # a bfloat16 engine: one rounding of the float32 sum, the representation's own limit
+    once = (w0.double() + exact).to(torch.bfloat16)
+    assert torch.equal(merged.to(torch.bfloat16), once)
+    assert torch.equal(merge_lora({"w": w0}, {"w": (a, b)}, scale, dtype=torch.bfloat16)["w"], once)
+    assert delta_error(once) > 0.5
