@@ -313,6 +313,13 @@ class RolloutWorker:
             # they run apart from the job's training groups, which take its newest policy
             pinned = req.policy_version if req.purpose == "eval" else -1
             parts.setdefault((req.model, req.engine, req.job_id, req.policy_run, pinned), []).append((req, m))
+        for key in [k for k in parts if k[4] >= 0]:
+            # an evaluation's part takes the job's training groups along when they ask
+            # for no newer policy than the evaluated one: one engine batch, every
+            # episode sampled by the pinned version
+            train = key[:4] + (-1,)
+            if train in parts and all(r.policy_version <= key[4] for r, _ in parts[train]):
+                parts[key] += parts.pop(train)
         for key in [k for k in parts if self.env_owner.get(k[2], "")]:
             # a job on a user's own envhost runs beside this batch, not in it: its env
             # may stall up to env_step_timeout_s a turn, and must not hold up the
@@ -383,12 +390,13 @@ class RolloutWorker:
         at_least = max(r.policy_version for r in reqs)
 
         run = reqs[0].policy_run
+        pinned = next((r.policy_version for r in reqs if r.purpose == "eval"), None)
 
         async def policy_version(of: str = "") -> int:
             if of:  # an opponent job's seats: its newest policy (the scheduler checked it is the user's)
                 return await self.policies.ensure_weights(slot, of, await self.policies.newest_event(of, 0))
-            if reqs[0].purpose == "eval":  # its part holds one version's evaluation (handle)
-                return await self.policies.ensure_version(slot, job_id, at_least, run)
+            if pinned is not None:  # the part holds one version's evaluation (handle)
+                return await self.policies.ensure_version(slot, job_id, pinned, run)
             return await self.policies.ensure_policy(slot, job_id, at_least, run)
 
         async def publish(req: RolloutRequest, trajs: list[Trajectory]) -> None:

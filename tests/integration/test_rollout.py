@@ -199,10 +199,11 @@ async def run_rollout(engine: str, bus, services, job_id: str, tiny_model: str, 
                               policy_logprobs(base, t), atol=1e-4)
 
     # an evaluation of version 1 asked before version 2 was published, served after:
-    # pinned, its episodes are sampled by version 1 (a training group takes the newest)
+    # pinned, its episodes are sampled by version 1; a training group asking for version
+    # 2 in the same batch gets version 2 (one asking for 1 or older may share version 1)
     evaluation = msgspec.structs.replace(rollout_request(job_id, tiny_model, env, "eval-v1-e0", 1),
                                          purpose="eval", split="test")
-    training = rollout_request(job_id, tiny_model, env, "r4", 1)
+    training = rollout_request(job_id, tiny_model, env, "r4", 2)
     await bus.publish(S.rollout(job_id, f"w-{job_id}"), evaluation)
     await bus.publish(S.rollout(job_id, f"w-{job_id}"), training)
     got = await collect(bus, traj_sub, 6, services)

@@ -94,6 +94,18 @@ def test_gomoku_illegal_retry_penalises_then_loses_at_max_illegal():
     assert last.reward == pytest.approx(-0.1 - 1.0)
 
 
+def test_gomoku_legal_reward_lands_on_each_legal_move_and_adds_to_the_outcome():
+    g = GomokuGame(size=9, opponent="random", legal_reward=0.1)
+    g.reset(seed=0, stones=stones("E5"))
+    assert g.step("pass").reward == -0.1  # an illegal move earns none
+    assert g.step("A1").reward == pytest.approx(0.1)
+    g.reset(seed=0, stones=stones("A1", "B1", "C1", "D1") + stones("A9", "B9", "C9", "D8", who="O"))
+    win = g.step("E1")
+    assert win.info["result"] == "win" and win.reward == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="env_args.legal_reward"):
+        GomokuGame(legal_reward=float("nan"))
+
+
 def test_gomoku_illegal_loss_ends_at_once():
     g = GomokuGame(illegal="loss", loss_reward=-2.0)
     g.reset(seed=0)

@@ -228,6 +228,10 @@ class GomokuGame(AbstractGame):
       illegal_penalty: reward of an illegal move under "retry" (default -0.1)
       max_illegal:     illegal moves that lose the game under "retry" (default 3)
       win_reward, draw_reward, loss_reward: defaults 1.0, 0.0, -1.0
+      legal_reward:    added to the reward of each turn that plays a legal move (default
+                       0.0): a format reward (as DeepSeek-R1's, arXiv 2501.12948) for a
+                       model that rarely names a cell at first, whose games all end in
+                       the same illegal-move loss, so a GRPO group has no reward spread
 
     info (every step): result ("win", "loss", "draw", "ongoing"), moves (the game's
     moves so far, e.g. ["E5", "F6"], opening stones excluded), illegal (count); on an
@@ -241,11 +245,11 @@ class GomokuGame(AbstractGame):
     def __init__(self, size: int = 9, win_length: int = 5, opponent: str = "random",
                  first: str = "model", opening: int = 0, illegal: str = "retry",
                  illegal_penalty: float = -0.1, max_illegal: int = 3, win_reward: float = 1.0,
-                 draw_reward: float = 0.0, loss_reward: float = -1.0):
+                 draw_reward: float = 0.0, loss_reward: float = -1.0, legal_reward: float = 0.0):
         super().__init__(size=size, win_length=win_length, opponent=opponent, first=first,
                          opening=opening, illegal=illegal, illegal_penalty=illegal_penalty,
                          max_illegal=max_illegal, win_reward=win_reward,
-                         draw_reward=draw_reward, loss_reward=loss_reward)
+                         draw_reward=draw_reward, loss_reward=loss_reward, legal_reward=legal_reward)
         _int_in("size", size, 5, 19)
         _int_in("win_length", win_length, 3, size)
         _int_in("opening", opening, 0, win_length - 1)
@@ -255,13 +259,15 @@ class GomokuGame(AbstractGame):
             if value not in allowed:
                 raise ValueError(f"env_args.{arg}: {value!r} is not one of {allowed}")
         for arg, value in (("illegal_penalty", illegal_penalty), ("win_reward", win_reward),
-                           ("draw_reward", draw_reward), ("loss_reward", loss_reward)):
+                           ("draw_reward", draw_reward), ("loss_reward", loss_reward),
+                           ("legal_reward", legal_reward)):
             _finite(arg, value)
         self.size, self.win_length, self.level = size, win_length, opponent
         self.first, self.opening, self.illegal_mode = first, opening, illegal
         self.max_illegal = max_illegal
         self.illegal_penalty, self.win_reward = float(illegal_penalty), float(win_reward)
         self.draw_reward, self.loss_reward = float(draw_reward), float(loss_reward)
+        self.legal_reward = float(legal_reward)
         self.board: Board = []
         self.moves: list[str] = []
         self.illegal, self.result = 0, "ongoing"
@@ -344,22 +350,22 @@ class GomokuGame(AbstractGame):
         r, c = move
         self.board[r][c] = MODEL
         self.moves.append(cell_name(r, c))
-        said = f"You played {cell_name(r, c)}"
+        said, legal = f"You played {cell_name(r, c)}", self.legal_reward
         if wins_at(self.board, r, c, MODEL, self.win_length):
             return self._end("win", f"{said} and made {self.win_length} in a row. You win!",
-                             self.win_reward)
+                             self.win_reward + legal)
         if not empties(self.board):
-            return self._end("draw", f"{said}. The board is full: a draw.", self.draw_reward)
+            return self._end("draw", f"{said}. The board is full: a draw.", self.draw_reward + legal)
         r, c = opponent_move(self.board, self.level, self.win_length, self._rng)
         self.board[r][c] = OPPONENT
         self.moves.append(cell_name(r, c))
         said += f". The opponent (O) played {cell_name(r, c)}"
         if wins_at(self.board, r, c, OPPONENT, self.win_length):
             return self._end("loss", f"{said} and made {self.win_length} in a row. You lose.",
-                             self.loss_reward)
+                             self.loss_reward + legal)
         if not empties(self.board):
-            return self._end("draw", f"{said}. The board is full: a draw.", self.draw_reward)
-        return StepResult(f"{said}.\n{self._position()}", 0.0, False, self._info())
+            return self._end("draw", f"{said}. The board is full: a draw.", self.draw_reward + legal)
+        return StepResult(f"{said}.\n{self._position()}", legal, False, self._info())
 
     def _illegal(self, reason: str) -> StepResult:
         self.illegal += 1
