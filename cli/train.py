@@ -85,7 +85,8 @@ async def _train(args: argparse.Namespace, nats_url: str) -> int:
                 progress.console.print(
                     f"step {m.step:>3}  reward {v.get('reward_mean', 0):.3f} ± {v.get('reward_std', 0):.3f}"
                     + ("" if "entropy" not in v else  # a step that forwarded no token has none
-                       f"  kl {v['kl']:.4f}  entropy {v['entropy']:.3f}  clip {v['clip_frac']:.3f}")
+                       ("" if "kl" not in v else f"  kl {v['kl']:.4f}")  # kl_coef 0: no reference
+                       + f"  entropy {v['entropy']:.3f}  clip {v['clip_frac']:.3f}")
                     + f"  lag {v.get('policy_lag_mean', 0):.2f}"
                     f"  {v.get('tokens_per_s', 0):.0f} tok/s  {v.get('step_time_s', 0):.1f}s/step")
         rec = await job.wait(raise_on_failure=False)

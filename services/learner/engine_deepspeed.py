@@ -351,7 +351,9 @@ class TrainEngine:
             "entropy": sums["entropy"] / n,
             "clip_frac": sums["clipped"] / n,
             "approx_kl": sums["approx_kl"] / n,
-            "kl": sums["kl"] / n,
+            # KL to the reference only where the loss has that term: with kl_coef 0 (or
+            # the KL in the reward) nothing computes it, and a 0 would read as one
+            **({"kl": sums["kl"] / n} if cfg.kl_coef > 0 else {}),
             "is_weight_mean": sums["is_w"] / n if cfg.rollout_is != "none" else 1.0,
             "is_capped_frac": sums["is_capped"] / n,
             "mismatch_kl": sums["mismatch"] / n,

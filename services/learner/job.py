@@ -86,7 +86,7 @@ def token_stats(out: dict[str, float]) -> dict[str, float]:
     entropy or KL, and a 0 would read as one (plots dived to 0 on those steps)."""
     if not out.get("tokens"):
         return {}
-    return {k: out[k] for k in TOKEN_STATS}
+    return {k: out[k] for k in TOKEN_STATS if k in out}  # "kl" only where the loss has a KL term
 
 
 @dataclass

@@ -87,8 +87,8 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     assert 0 < a[1]["is_weight_mean"] <= 4.0 and a[1]["mismatch_kl"] >= 0, a
     # strictly on-policy without the correction: nothing to weight
     assert c[1]["policy_lag_max"] == 0 and c[1]["is_weight_mean"] == 1.0 and c[1]["mismatch_kl"] == 0
-    # KL in the reward: the loss has no KL term, so the reported KL is 0
-    assert r[1]["kl"] == 0.0 and max(v["grad_norm"] for v in r.values()) > 0
+    # KL in the reward: the loss has no KL term, so no KL to the reference is reported
+    assert "kl" not in r[1] and max(v["grad_norm"] for v in r.values()) > 0
     # 2 epochs x 2 mini-batches = 4 optimizer updates a step (unless a step had no
     # signal); the cosine schedule warms up from 0 over the first step
     assert all(v["updates"] in (0.0, 4.0) for v in u.values()) and any(v["updates"] == 4.0 for v in u.values())

@@ -146,6 +146,7 @@ def test_one_optimizer_update_per_planned_update(tiny_model, rank_env):
         before, steps0 = _params(eng), eng.engine.global_steps
         out = eng.train_step([mbs], [tot], [1e-3])
         assert eng.engine.global_steps == steps0 + 1 and out["updates"] == 1.0
+        assert "kl" not in out  # kl_coef 0: no reference, so no KL to it (not a 0 that reads as one)
         assert out["grad_norm"] > 0 and not torch.equal(before, _params(eng))
         # a single update: the proximal policy is the current one, so the weights are
         # pi_prox / pi_behav of the sampler's logprobs (-2.0 here) and the gap is measured
@@ -197,3 +198,15 @@ def test_skipping_zero_variance_groups_leaves_the_update_unchanged(tiny_model, r
             eng.close()
     assert torch.allclose(ends["forward all"], ends["skip"], atol=1e-6)
     assert not torch.allclose(ends["forward all"], ends["skip, normalize over the forwarded"], atol=1e-6)
+
+
+def test_a_kl_term_reports_the_kl_to_the_reference(tiny_model, rank_env):
+    eng = _engine(tiny_model, kl_coef=0.1)
+    try:
+        trajs = [_traj(i, 4 + i, 3, float(i % 2)) for i in range(4)]
+        mbs = micro_batches(trajs, [1.0, -1.0, 1.0, -1.0], 1, eng.pad_id)
+        tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=4.0, max_len=32.0)
+        assert eng.train_step([mbs], [tot], [1e-3])["kl"] == 0.0  # the policy is still the reference
+        assert eng.train_step([mbs], [tot], [1e-3])["kl"] > 0  # one update later it is not
+    finally:
+        eng.close()
