@@ -186,7 +186,8 @@ async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
     assert m0["clip_frac"] == 0.0 and m0["approx_kl"] < 1e-4
     assert m0["reward_mean"] == 0.5 and m0["grad_norm"] > 0
     assert m1["dropped_stale"] == 1 and m0["dropped_stale"] == 0
-    assert all(k in m1 for k in ("loss", "entropy", "kl", "tokens_per_s", "policy_lag_max", "error_frac"))
+    assert all(k in m1 for k in ("loss", "entropy", "tokens_per_s", "policy_lag_max", "error_frac"))
+    assert "kl" not in m1  # kl_coef 0: no reference, no KL to it
 
     weights = {w.policy_version: w for w in seen[WeightsPublished]}
     assert {1, 2} <= set(weights)
