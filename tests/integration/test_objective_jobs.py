@@ -29,11 +29,14 @@ def spec(model: str, **kw) -> dict:
             "sampling": {"temperature": 1.0, "max_new_tokens": 8, "max_total_tokens": 256}, **kw}
 
 
+# the families whose per-token statistics are checked forward every group
+# (skip_zero_variance off): a step whose groups all tied would report none
 FAMILIES = {
-    "async": dict(max_staleness=1, rollout_is="sequence", rollout_is_mode="mask", rollout_is_threshold=4.0),
+    "async": dict(max_staleness=1, rollout_is="sequence", rollout_is_mode="mask", rollout_is_threshold=4.0,
+                  skip_zero_variance=False),
     "clip": dict(max_staleness=0, rollout_is="none", clip_range_high=0.28, dual_clip=3.0,
                  importance_sampling_level="sequence", advantage_estimator="dr_grpo",
-                 loss_agg="seq-mean-token-sum-norm"),
+                 loss_agg="seq-mean-token-sum-norm", skip_zero_variance=False),
     "reward": dict(advantage_estimator="rloo", kl_coef=0.05, kl_in_reward=True, kl_estimator="k1",
                    overlong_buffer=4),
     "updates": dict(advantage_estimator="reinforce_pp", kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01,
