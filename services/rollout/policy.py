@@ -250,9 +250,7 @@ class PolicyTracker:
         WeightsUnavailable if the run has not reached `version` within WEIGHTS_WAIT_S,
         WeightsError if it went past `version` and that version's event is not on the
         stream (OT_WEIGHTS keeps 1,000 events per job)."""
-        newest = await self.newest_event(job_id, version, run)
-        if newest is not None and newest.policy_version == version and (newest.run == run or not run):
-            return newest
+        await self.newest_event(job_id, version, run)  # every event noted is in the table
         got = self._exact(job_id, version, run)
         if got is None:  # noted before this worker started: the stream has it
             await self._all_events(job_id)
