@@ -214,7 +214,7 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
     """sample -> score -> importance_sampling step, through a sampling client on the
     newest weights each iteration (save_weights_and_get_sampling_client), on
     SmolLM2-135M-Instruct. The task: answer a yes-or-no question, reward 1 for a reply
-    that starts with "Yes" (the base model's about one in four)."""
+    that starts with "Yes" (the base model's about one in three)."""
     base, keys = stack
 
     def loop(sc):
@@ -245,15 +245,20 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
             oov = "accepted"
         except Exception as e:  # the SDK's own error type for a failed request
             oov = str(e)
+        # the base model's rate, on more samples than one iteration draws
+        base_res = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=64, sampling_params=params).result()
+        base_rate = float(np.mean([tok.decode(s.tokens).strip().lower().startswith("yes") for s in base_res.sequences]))
         eos = tok.eos_token_id
         one = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=2, include_prompt_logprobs=True,
                                   sampling_params=tinker.SamplingParams(max_tokens=6, stop=[eos])).result()
-        return rewards, one, len(prompt), oov
+        return rewards, base_rate, one, len(prompt), oov
 
-    rewards, one, n_prompt, oov = await asyncio.to_thread(run_sdk, base, keys["alice"], loop)
+    rewards, base_rate, one, n_prompt, oov = await asyncio.to_thread(run_sdk, base, keys["alice"], loop)
     assert "out of the model's vocabulary" in oov, oov
-    print(f"reward by iteration: {[round(x, 3) for x in rewards]}")
-    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.15, rewards
+    print(f"base model: {base_rate:.3f} (64 samples); reward by iteration: {[round(x, 3) for x in rewards]}")
+    # the last three iterations (48 samples) against the base model's rate (64 samples):
+    # the first iterations are no baseline, one step at this learning rate moves the rate
+    assert np.mean(rewards[-3:]) > base_rate + 0.3, (base_rate, rewards)
     assert len(one.sequences) == 2 and all(1 <= len(s.tokens) <= 6 for s in one.sequences)
     assert all(s.logprobs is not None and len(s.logprobs) == len(s.tokens) for s in one.sequences)
     assert len(one.prompt_logprobs) == n_prompt and one.prompt_logprobs[0] is None
