@@ -114,12 +114,17 @@ def test_tools_and_prompt_describe_both_formats():
     assert tool["function"]["parameters"]["required"] == ["code"]
     prompt = g.get_system_prompt()
     assert "```python" in prompt and "`python` tool" in prompt and "#### <number>" in prompt
+    assert "Example" not in prompt
+    shown = CodeMathGame(source="arith", example=True).get_system_prompt()
+    assert shown.startswith(prompt) and "print(1.5 * 2.5)" in shown and shown.endswith("#### 3.75")
 
 
 @pytest.mark.parametrize("env_args, field", [
     ({"max_tool_calls": -1}, "env_args.max_tool_calls"), ({"timeout_s": 0}, "env_args.timeout_s"),
     ({"memory_mb": 8}, "env_args.memory_mb"), ({"source": "math"}, "env_args.source"),
     ({"digits": 0}, "env_args.digits"), ({"split": "dev"}, "env_args.split"),
+    ({"digits_b": 10}, "env_args.digits_b"), ({"digits_b": True}, "env_args.digits_b"),
+    ({"example": "yes"}, "env_args.example"),
     # upper bounds: a tenant's env_args never size a sandbox beyond these
     ({"memory_mb": 8193}, "env_args.memory_mb"), ({"memory_mb": 2**40}, "env_args.memory_mb"),
     ({"timeout_s": 61}, "env_args.timeout_s"), ({"timeout_s": float("nan")}, "env_args.timeout_s"),
@@ -128,6 +133,15 @@ def test_tools_and_prompt_describe_both_formats():
 def test_bad_env_args_name_the_arg(env_args, field):
     with pytest.raises(ValueError, match=field):
         CodeMathGame(**env_args)
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_factors_have_digits_and_digits_b_digits(split):
+    """The README's tool-use task, 3-digit x 2-digit: a product the model cannot do in its head."""
+    for seed in range(50):
+        g = game(seed, split, digits=3, digits_b=2)
+        a, b = g.get_initial_user_message().removeprefix("What is ").removesuffix("?").split(" * ")
+        assert (len(a), len(b)) == (3, 2) and int(g.answer) == int(a) * int(b)
 
 
 def test_largest_env_args_are_accepted():

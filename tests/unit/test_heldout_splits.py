@@ -79,6 +79,9 @@ CASES: dict[str, tuple[dict[str, Any], Case]] = {
                                            lambda s: arith.split_of("add", s["a"], s["b"]))),
     "code-math-arith": ({"source": "arith"}, Case(lambda a: CodeMathGame(**a), _product,
                                                   lambda s: arith.split_of("mul", *_product(s, {})))),
+    # the README's tool-use task: 3-digit x 2-digit products, none of them test for training
+    "code-math-3x2": ({"source": "arith", "digits": 3, "digits_b": 2},
+                      Case(lambda a: CodeMathGame(**a), _product, lambda s: arith.split_of("mul", *_product(s, {})))),
     "code-math-gsm8k": ({}, Case(lambda a: CodeMathGame(**a), _gsm8k_question)),
     "gsm8k": ({}, Case(lambda a: GSM8KGame(**a), _gsm8k_question)),
     # 16 targets: 3 are test (guess_number docstring)

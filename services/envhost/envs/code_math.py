@@ -7,7 +7,8 @@ per run, no network, no host files, bounded time and memory.
 
 Problems come from GSM8K (data prepared by `opentinker data gsm8k`, read with the
 `gsm8k` env's loader) or, with `source="arith"`, are generated from the seed
-(multiplying two `digits`-digit numbers, held out by the `arith` env's split rule).
+(a `digits`-digit times a `digits_b`-digit number, held out by the `arith` env's split
+rule).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.services.envhost import sandbox
 from opentinker.services.envhost.envs import gsm8k
 from opentinker.services.envhost.envs.answers import verify_answer
-from opentinker.services.envhost.envs.arith import split_of
+from opentinker.services.envhost.envs.arith import _range, split_of
 from opentinker.services.envhost.envs.toolcall import tool_calls
 
 SOURCES = ("gsm8k", "arith")
@@ -49,6 +50,11 @@ TOOLS = [{
         },
     },
 }]
+
+
+# the one-shot demonstration (env_args.example): a problem of neither split's form
+EXAMPLE = ("\n\nExample.\nUser: What is 1.5 * 2.5?\nAssistant: ```python\nprint(1.5 * 2.5)\n```\n"
+           "User: 3.75\nAssistant: #### 3.75")
 
 
 def _correct(text: str, answer: str) -> tuple[str, bool]:
@@ -89,7 +95,11 @@ class CodeMathGame(AbstractGame):
       source:         "gsm8k" (default; needs `opentinker data gsm8k`) or "arith"
       data_dir:       GSM8K Parquet folder (default <OPENTINKER_HOME>/data/gsm8k)
       split:          if set, every episode uses this split, whatever the request's
-      digits:         arith only: digits of each factor, 1..9 (default 3)
+      digits:         arith only: digits of the first factor, 1..9 (default 3)
+      digits_b:       arith only: digits of the second factor, 1..9 (default: `digits`)
+      example:        show one worked exchange (code, its output, the final answer) in
+                      the system prompt (default False), a one-shot demonstration of the
+                      format for a small model (Brown et al. 2020, arXiv 2005.14165)
       max_tool_calls: code runs allowed per episode, 0..1024 (default 4)
       timeout_s:      wall clock of one run, seconds, (0, 60] (default 5)
       memory_mb:      address space of one run, MiB, 64..8192 (default 512)
@@ -101,15 +111,18 @@ class CodeMathGame(AbstractGame):
 
     def __init__(self, source: str = "gsm8k", data_dir: str | None = None,
                  split: str | None = None, digits: int = 3, max_tool_calls: int = 4,
-                 timeout_s: float = 5.0, memory_mb: int = 512):
+                 timeout_s: float = 5.0, memory_mb: int = 512, digits_b: int | None = None,
+                 example: bool = False):
         super().__init__(source=source, data_dir=data_dir, split=split, digits=digits,
-                         max_tool_calls=max_tool_calls, timeout_s=timeout_s, memory_mb=memory_mb)
+                         max_tool_calls=max_tool_calls, timeout_s=timeout_s, memory_mb=memory_mb,
+                         digits_b=digits_b, example=example)
         if source not in SOURCES:
             raise ValueError(f"env_args.source: {source!r} is not one of {SOURCES}")
         if split is not None and split not in gsm8k.SPLITS:
             raise ValueError(f"env_args.split: {split!r} is not one of {gsm8k.SPLITS}")
-        if not _is_int(digits) or not 1 <= digits <= 9:
-            raise ValueError(f"env_args.digits: must be an integer in 1..9, got {digits!r}")
+        for field, d in (("digits", digits), ("digits_b", digits if digits_b is None else digits_b)):
+            if not _is_int(d) or not 1 <= d <= 9:
+                raise ValueError(f"env_args.{field}: must be an integer in 1..9, got {d!r}")
         if not _is_int(max_tool_calls) or not 0 <= max_tool_calls <= MAX_TOOL_CALLS:
             raise ValueError(f"env_args.max_tool_calls: must be an integer in 0..{MAX_TOOL_CALLS}, "
                              f"got {max_tool_calls!r}")
@@ -118,7 +131,10 @@ class CodeMathGame(AbstractGame):
             raise ValueError(f"env_args.timeout_s: must be a number in (0, 60], got {timeout_s!r}")
         if not _is_int(memory_mb) or not 64 <= memory_mb <= MAX_MEMORY_MB:
             raise ValueError(f"env_args.memory_mb: must be an integer in 64..{MAX_MEMORY_MB}, got {memory_mb!r}")
-        self.source, self.split, self.digits = source, split, digits
+        if not isinstance(example, bool):
+            raise ValueError(f"env_args.example: must be true or false, got {example!r}")
+        self.source, self.split, self.example = source, split, example
+        self.digits, self.digits_b = digits, digits if digits_b is None else digits_b
         self.data_dir = Path(data_dir) if data_dir else gsm8k.default_data_dir()
         self.max_tool_calls = max_tool_calls
         # CPU seconds a little above the wall clock, so a busy loop ends as "timed out"
@@ -132,7 +148,7 @@ class CodeMathGame(AbstractGame):
 
     def generate_initial_state(self, seed: int, split: str = "train") -> dict[str, Any]:
         """GSM8K: {"index", "split"}, a row of `split` chosen by `seed`. arith:
-        {"question", "answer"}, a product of two `digits`-digit numbers from `split`."""
+        {"question", "answer"}, a `digits`-digit times a `digits_b`-digit number from `split`."""
         split = self.split or split
         if split not in gsm8k.SPLITS:
             raise ValueError(f"split: {split!r} is not one of {gsm8k.SPLITS}")
@@ -140,12 +156,12 @@ class CodeMathGame(AbstractGame):
         if self.source == "gsm8k":
             questions, _ = gsm8k.load_split(self.data_dir, split)
             return {"index": rng.randrange(len(questions)), "split": split}
-        lo, hi = (0 if self.digits == 1 else 10 ** (self.digits - 1)), 10**self.digits - 1
+        ra, rb = _range(self.digits), _range(self.digits_b)
         for _ in range(1000):  # ~5 draws for "test" (see arith.split_of)
-            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            a, b = rng.randint(*ra), rng.randint(*rb)
             if split_of("mul", a, b) == split:
                 return {"question": f"What is {a} * {b}?", "answer": str(a * b)}
-        raise ValueError(f"split: no {split!r} problem with {self.digits}-digit factors")
+        raise ValueError(f"split: no {split!r} problem with {self.digits}- and {self.digits_b}-digit factors")
 
     def reset(self, index: int | None = None, split: str = "train", question: str | None = None,
               answer: str | None = None, seed: int | None = None) -> str:
@@ -178,7 +194,7 @@ class CodeMathGame(AbstractGame):
             "will show what it printed. Use print() for every value you need. Each run "
             f"starts fresh, has {self.limits.timeout_s:g} s, and may import sympy and "
             f"numpy; you can run code up to {self.max_tool_calls} times. When you know the "
-            "answer, write it on its own last line as '#### <number>'.")
+            "answer, write it on its own last line as '#### <number>'." + (EXAMPLE if self.example else ""))
 
     def get_initial_user_message(self) -> str:
         return self.question

@@ -1,0 +1,180 @@
+"""The README's main job over seeds: held-out accuracy before and after training, the
+10-minute bar, mean +- sd across seeds.
+
+    .venv/bin/python bench/main_job_seeds.py [--seeds 0 1 2] [--config examples/arith_grpo.toml]
+        [--out bench/results/main_job_seeds.json] [--set KEY=VALUE ...]
+    .venv/bin/python bench/main_job_seeds.py --report [--readme README.md]   # from the file only
+
+Per seed, the command `scripts/train.sh` runs (`opentinker train CONFIG --up`, the
+embedded stack started for the job: nats-server and every service as its own process,
+vLLM rollout, DeepSpeed learner) with `--set seed=N`, in a fresh home under
+bench/results/tmp/ that shares the main home's converted model and compiled ops. From
+that job's trajectory log (DuckDB over the Parquet files):
+
+- train reward per step (all sampled episodes of split "train") and the mean of the
+  first and the last 5 steps;
+- the 10-minute bar (issue 31, README "Measured"): the first step whose trailing 5-step
+  mean reward is at least the first-5 mean + 0.25, and the wall seconds from the
+  command's start to that step's metrics;
+- held-out accuracy: the learner's evaluations (split "test", greedy, `eval_episodes`
+  problems training never shows) at step 0 (the base model) and after the last step.
+
+Across seeds: mean and sample sd (ddof 1) of each. `--report` prints the markdown table
+from the results file, and with `--readme` writes it between the README's
+`<!-- main_job_seeds -->` markers, so the README's numbers are this file's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results" / "main_job_seeds.json"
+BAR = 0.25  # reward over the first-5 mean, within 10 minutes (600 s)
+BAR_S = 600.0
+WINDOW = 5
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def job_record(job_id: str, data_dir: Path, started: float) -> dict:
+    """The job's curve and evaluations from its trajectory log; `started` is the epoch
+    second the command started."""
+    from opentinker.services.core.logdb import run_query
+
+    job = job_id.replace("'", "''")
+    train = run_query(f"SELECT step, avg(reward), count(*) FROM trajectories WHERE job_id = '{job}' "
+                      "AND split = 'train' GROUP BY step ORDER BY step", data_dir)[1]
+    times = dict(run_query(f"SELECT step, max(time_s) FROM metrics WHERE job_id = '{job}' AND split = 'train' "
+                           "GROUP BY step", data_dir)[1])
+    evals = run_query(f"SELECT step, avg(CASE WHEN reward >= 1 THEN 1.0 ELSE 0.0 END), count(*) FROM trajectories "
+                      f"WHERE job_id = '{job}' AND split = 'test' GROUP BY step ORDER BY step", data_dir)[1]
+    rewards = [r for _, r, _ in train]
+    first, last = statistics.fmean(rewards[:WINDOW]), statistics.fmean(rewards[-WINDOW:])
+    bar_step = bar_s = None
+    for i in range(WINDOW - 1, len(rewards)):
+        if statistics.fmean(rewards[i - WINDOW + 1:i + 1]) >= first + BAR:
+            bar_step = train[i][0]
+            if times.get(bar_step) is not None:
+                bar_s = round(times[bar_step] - started, 1)
+            break
+    return {"job_id": job_id, "train_reward": [[s, round(r, 4), n] for s, r, n in train],
+            "eval_correct": [[s, round(c, 4), n] for s, c, n in evals],
+            "first5": round(first, 4), "last5": round(last, 4),
+            "heldout_before": evals[0][1] if evals and evals[0][0] == 0 else None,
+            "heldout_after": evals[-1][1] if evals and evals[-1][0] == train[-1][0] + 1 else None,
+            "bar_step": bar_step, "bar_s": bar_s}
+
+
+def run_seed(config: str, seed: int, sets: list[str]) -> dict:
+    from faults import fresh_home
+
+    home = fresh_home(f"main-job-s{seed}")
+    env = dict(os.environ, OPENTINKER_HOME=str(home), DS_ACCELERATOR="cpu")
+    job = f"main-s{seed}-{time.strftime('%H%M%S')}"
+    cmd = [str(ROOT / ".venv" / "bin" / "opentinker"), "train", config, "--up", "--job-id", job, "--set", f"seed={seed}"]
+    for s in sets:
+        cmd += ["--set", s]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env)
+    wall = round(time.time() - started, 1)
+    rec = job_record(job, home / "data", started)
+    rec.update(seed=seed, rc=proc.returncode, wall_s=wall)
+    return rec
+
+
+def mean_sd(xs: list[float | None]) -> dict:
+    xs = [x for x in xs if x is not None]
+    return {"mean": round(statistics.fmean(xs), 4) if xs else None,
+            "sd": round(statistics.stdev(xs), 4) if len(xs) > 1 else None, "n": len(xs)}
+
+
+def summary(runs: list[dict]) -> dict:
+    keys = ("first5", "last5", "heldout_before", "heldout_after", "bar_s", "wall_s")
+    out = {k: mean_sd([r[k] for r in runs]) for k in keys}
+    out["gain"] = mean_sd([r["heldout_after"] - r["heldout_before"] for r in runs
+                           if r["heldout_after"] is not None and r["heldout_before"] is not None])
+    out["met_bar"] = sum(r["bar_s"] is not None and r["bar_s"] <= BAR_S for r in runs)
+    return out
+
+
+def fmt(ms: dict, digits: int = 3) -> str:
+    if ms["mean"] is None:
+        return "-"
+    sd = "" if ms["sd"] is None else f" +- {ms['sd']:.{digits}f}"
+    return f"{ms['mean']:.{digits}f}{sd}"
+
+
+def report(res: dict) -> str:
+    """The markdown table of a results file (the README's numbers)."""
+    s = res["summary"]
+    rows = ["| seed | held-out before | held-out after | train reward, first 5 -> last 5 steps | +0.25 reached | whole command |",
+            "|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        bar = f"step {r['bar_step']}, {r['bar_s']:.0f} s" if r["bar_s"] is not None else "not reached"
+        rows.append(f"| {r['seed']} | {r['heldout_before']:.3f} | {r['heldout_after']:.3f} | "
+                    f"{r['first5']:.3f} -> {r['last5']:.3f} | {bar} | {r['wall_s']:.0f} s |")
+    rows.append(f"| mean +- sd ({s['heldout_after']['n']} seeds) | {fmt(s['heldout_before'])} | "
+                f"{fmt(s['heldout_after'])} | {fmt(s['first5'])} -> {fmt(s['last5'])} | "
+                f"{fmt(s['bar_s'], 0)} s; {s['met_bar']} of {len(res['runs'])} within {BAR_S:.0f} s | "
+                f"{fmt(s['wall_s'], 0)} s |")
+    head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
+            f"(`bench/results/{Path(res['out']).name}`). Held-out: greedy accuracy on the learner's "
+            f"{res['eval_episodes']} evaluation episodes of split `test`, problems training never shows.")
+    return head + "\n\n" + "\n".join(rows) + "\n"
+
+
+def write_readme(readme: Path, text: str) -> None:
+    start, end = "<!-- main_job_seeds -->", "<!-- /main_job_seeds -->"
+    doc = readme.read_text()
+    if start not in doc or end not in doc:
+        raise SystemExit(f"{readme}: no {start} ... {end} markers to write between")
+    before, rest = doc.split(start, 1)
+    after = rest.split(end, 1)[1]
+    readme.write_text(f"{before}{start}\n{text}{end}{after}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--config", default="examples/arith_grpo.toml")
+    ap.add_argument("--set", action="append", default=[], help="a spec override for every seed's job")
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
+    ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
+    args = ap.parse_args()
+    if args.report:
+        text = report(json.loads(Path(args.out).read_text()))
+        print(text)
+        if args.readme:
+            write_readme(Path(args.readme), text)
+        return
+    import tomllib
+
+    eval_episodes = tomllib.loads((ROOT / args.config).read_text()).get("eval_episodes")
+    for s in args.set:
+        if s.startswith("eval_episodes="):
+            eval_episodes = int(s.split("=", 1)[1])
+    runs = []
+    for seed in args.seeds:
+        runs.append(run_seed(args.config, seed, args.set))
+        print(json.dumps({k: v for k, v in runs[-1].items() if k not in ("train_reward",)}), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
+           "commit": commit, "command": "bench/main_job_seeds.py " + " ".join(sys.argv[1:]), "config": args.config,
+           "sets": args.set, "eval_episodes": eval_episodes, "out": Path(args.out).name,
+           "bar": {"reward_over_first5": BAR, "window": WINDOW, "within_s": BAR_S},
+           "runs": runs, "summary": summary(runs)}
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(report(res))
+
+
+if __name__ == "__main__":
+    main()
