@@ -115,7 +115,7 @@ def fmt(ms: dict, digits: int = 3) -> str:
 def report(res: dict) -> str:
     """The markdown table of a results file (the README's numbers)."""
     s = res["summary"]
-    rows = ["| seed | held-out before | held-out after | train reward, first 5 -> last 5 steps | +0.25 reached | whole command |",
+    rows = ["| seed | held-out before | held-out after | train reward, first 5 -> last 5 steps | +0.25 reached | `opentinker train --up` (stack start included) |",
             "|---|---|---|---|---|---|"]
     for r in res["runs"]:
         bar = f"step {r['bar_step']}, {r['bar_s']:.0f} s" if r["bar_s"] is not None else "not reached"

@@ -267,3 +267,28 @@ def test_opentinker_specs_override_only_staleness_steps_and_evaluation():
     assert E.parse_only(["sync", "async"]) == ["sync", "async"]
     with pytest.raises(SystemExit):
         E.parse_only(["opentinker"])
+
+
+def test_main_job_seeds_summary_table_and_readme_markers(tmp_path):
+    """bench/main_job_seeds.py: mean +- sample sd across seeds, the bar counted only
+    within 600 s, and the README's table written between its markers, nothing else."""
+    mjs = _load("main_job_seeds")
+    runs = [{"seed": s, "first5": 0.1, "last5": l5, "heldout_before": b, "heldout_after": a, "bar_step": st,
+             "bar_s": bs, "wall_s": 400.0} for s, l5, b, a, st, bs in
+            [(0, 0.8, 0.0, 0.5, 20, 300.0), (1, 0.9, 0.1, 0.9, 30, 700.0), (2, 0.1, 0.2, 0.1, None, None)]]
+    s = mjs.summary(runs)
+    assert s["heldout_after"]["mean"] == 0.5 and s["heldout_after"]["sd"] == 0.4 and s["heldout_after"]["n"] == 3
+    assert s["gain"]["mean"] == round((0.5 + 0.8 - 0.1) / 3, 4) and s["met_bar"] == 1
+    assert s["bar_s"]["n"] == 2 and s["bar_s"]["mean"] == 500.0
+    res = {"date": "d", "commit": "0123456789", "machine": "m", "command": "c", "out": "x.json",
+           "eval_episodes": 32, "runs": runs, "summary": s}
+    table = mjs.report(res)
+    assert "| 2 | 0.200 | 0.100 | 0.100 -> 0.100 | not reached | 400 s |" in table
+    assert "| mean +- sd (3 seeds) | 0.100 +- 0.100 | 0.500 +- 0.400 |" in table and "1 of 3 within 600 s" in table
+    readme = tmp_path / "README.md"
+    readme.write_text("top\n<!-- main_job_seeds -->\nold\n<!-- /main_job_seeds -->\nbottom\n")
+    mjs.write_readme(readme, table)
+    assert readme.read_text() == f"top\n<!-- main_job_seeds -->\n{table}<!-- /main_job_seeds -->\nbottom\n"
+    (tmp_path / "bare.md").write_text("no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        mjs.write_readme(tmp_path / "bare.md", table)
