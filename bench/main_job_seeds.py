@@ -48,15 +48,14 @@ def job_record(job_id: str, data_dir: Path, started: float) -> dict:
     """The job's curve and evaluations from its trajectory log; `started` is the epoch
     second the command started."""
     from opentinker.services.core.logdb import run_query
+    from task_probe import job_curve  # the train reward and evaluations by step
 
+    curve = job_curve(job_id, data_dir)
+    train, evals = curve["train_reward"], curve["eval_correct"]
     job = job_id.replace("'", "''")
-    train = run_query(f"SELECT step, avg(reward), count(*) FROM trajectories WHERE job_id = '{job}' "
-                      "AND split = 'train' GROUP BY step ORDER BY step", data_dir)[1]
     times = dict(run_query(f"SELECT step, max(time_s) FROM metrics WHERE job_id = '{job}' AND split = 'train' "
                            "GROUP BY step", data_dir)[1])
-    evals = run_query(f"SELECT step, avg(CASE WHEN reward >= 1 THEN 1.0 ELSE 0.0 END), count(*) FROM trajectories "
-                      f"WHERE job_id = '{job}' AND split = 'test' GROUP BY step ORDER BY step", data_dir)[1]
-    rewards = [r for _, r, _ in train]
+    rewards = [r for _, r in train]
     first, last = statistics.fmean(rewards[:WINDOW]), statistics.fmean(rewards[-WINDOW:])
     bar_step = bar_s = None
     for i in range(WINDOW - 1, len(rewards)):
@@ -65,9 +64,7 @@ def job_record(job_id: str, data_dir: Path, started: float) -> dict:
             if times.get(bar_step) is not None:
                 bar_s = round(times[bar_step] - started, 1)
             break
-    return {"job_id": job_id, "train_reward": [[s, round(r, 4), n] for s, r, n in train],
-            "eval_correct": [[s, round(c, 4), n] for s, c, n in evals],
-            "first5": round(first, 4), "last5": round(last, 4),
+    return {**curve, "first5": round(first, 4), "last5": round(last, 4),
             "heldout_before": evals[0][1] if evals and evals[0][0] == 0 else None,
             "heldout_after": evals[-1][1] if evals and evals[-1][0] == train[-1][0] + 1 else None,
             "bar_step": bar_step, "bar_s": bar_s}
