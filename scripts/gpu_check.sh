@@ -22,7 +22,7 @@
 #     machine's pytest is older than pytest-asyncio 1.5's pytest>=8.4
 #   .whl/tiny-tokenizer/: tokenizer.json, tokenizer_config.json, chat_template.jinja and
 #     config.json of <OPENTINKER_HOME>/models/tiny-llama (SmolLM2's tokenizer)
-#   .whl/COMMIT (optional): `git rev-parse HEAD > .whl/COMMIT`, for a copy without .git
+#   .whl/COMMIT: `git rev-parse HEAD > .whl/COMMIT` before the call (read first: the copy's .git may be stale)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -87,7 +87,7 @@ timeout -k 15 300 python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -v -ra 
 RC=$?
 TEST_S=$((SECONDS - T0))
 
-COMMIT=$(git rev-parse HEAD 2>/dev/null || head -n1 COMMIT 2>/dev/null || head -n1 .whl/COMMIT 2>/dev/null || echo unknown)
+COMMIT=$(head -n1 .whl/COMMIT 2>/dev/null || head -n1 COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
 DEVICE=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1)
 RC=$RC TEST_S=$TEST_S WALL_S=$((SECONDS - START)) COMMIT="$COMMIT" DEVICE="${DEVICE:-none}" OUTDIR="$OUT" \
 python3 - <<'EOF'
