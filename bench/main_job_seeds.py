@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/main_job_seeds.py [--seeds 0 1 2] [--config examples/arith_grpo.toml]
         [--out bench/results/main_job_seeds.json] [--set KEY=VALUE ...]
-    .venv/bin/python bench/main_job_seeds.py --report [--readme README.md]   # from the file only
+    .venv/bin/python bench/main_job_seeds.py --report [--readme README.md] [--marker NAME]   # from the file only
 
 Per seed, the command `scripts/train.sh` runs (`opentinker train CONFIG --up`, the
 embedded stack started for the job: nats-server and every service as its own process,
@@ -128,8 +128,9 @@ def report(res: dict) -> str:
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
-def write_readme(readme: Path, text: str) -> None:
-    start, end = "<!-- main_job_seeds -->", "<!-- /main_job_seeds -->"
+def write_readme(readme: Path, text: str, marker: str = "main_job_seeds") -> None:
+    """Write `text` between the README's `<!-- marker -->` and `<!-- /marker -->`."""
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
     doc = readme.read_text()
     if start not in doc or end not in doc:
         raise SystemExit(f"{readme}: no {start} ... {end} markers to write between")
@@ -146,12 +147,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
     ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
+    ap.add_argument("--marker", default="main_job_seeds", help="the README markers' name: <!-- NAME --> ... <!-- /NAME -->")
     args = ap.parse_args()
     if args.report:
         text = report(json.loads(Path(args.out).read_text()))
         print(text)
         if args.readme:
-            write_readme(Path(args.readme), text)
+            write_readme(Path(args.readme), text, args.marker)
         return
     import tomllib
 

@@ -292,3 +292,39 @@ def test_main_job_seeds_summary_table_and_readme_markers(tmp_path):
     (tmp_path / "bare.md").write_text("no markers\n")
     with pytest.raises(SystemExit, match="markers"):
         mjs.write_readme(tmp_path / "bare.md", table)
+    # another table between its own markers, the first one's untouched
+    readme.write_text(f"{readme.read_text()}<!-- tool_use_seeds -->\n<!-- /tool_use_seeds -->\n")
+    mjs.write_readme(readme, "t\n", "tool_use_seeds")
+    assert readme.read_text().endswith("bottom\n<!-- tool_use_seeds -->\nt\n<!-- /tool_use_seeds -->\n")
+    assert f"<!-- main_job_seeds -->\n{table}<!-- /main_job_seeds -->" in readme.read_text()
+
+
+def test_tool_use_demonstrations_are_rewarded_train_problems_and_the_table_reads_the_file():
+    """bench/tool_use_seeds.py: each cold-start demonstration is a distinct train-split
+    product, rendered by the env (its system prompt, the sandbox's real output) and
+    rewarded by it; the README table is the results file's per-seed numbers."""
+    from opentinker.services.envhost.envs.arith import split_of
+
+    tus = _load("tool_use_seeds")
+    env_args = {"source": "arith", "digits": 3, "digits_b": 2, "max_tool_calls": 3}
+    rows = tus.demonstrations(4, 7, env_args, turns=2)
+    first = tus.demonstrations(4, 7, env_args)  # the default: the tool call alone
+    assert [r["messages"] for r in first] == [r["messages"][:3] for r in rows]
+    questions = [r["messages"][1]["content"] for r in rows]
+    assert len(set(questions)) == 4
+    for r in rows:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles == ["system", "user", "assistant", "user", "assistant"]
+        a, b = (int(x) for x in r["messages"][1]["content"][len("What is "):-1].split(" * "))
+        assert 100 <= a <= 999 and 10 <= b <= 99 and split_of("mul", a, b) == "train"
+        assert r["messages"][3]["content"].strip() == str(a * b)
+        assert r["messages"][4]["content"] == f"#### {a * b}"
+        assert "up to 3 times" in r["messages"][0]["content"]
+    run = {"seed": 0, "demos": 4, "base_heldout": 0.0, "heldout_before": 0.5, "heldout_after": 0.75,
+           "first5": 0.4, "last5": 0.8, "sft_wall_s": 100.0, "wall_s": 900.0}
+    res = {"date": "d", "commit": "0123456789", "machine": "m", "command": "c", "out": "t.json",
+           "eval_episodes": 32, "runs": [run, {**run, "seed": 1, "heldout_after": 0.25}],
+           "summary": tus.summary([run, {**run, "seed": 1, "heldout_after": 0.25}])}
+    table = tus.report(res)
+    assert "| 0 | 0.000 | 0.500 | 0.750 | 0.400 -> 0.800 | 100 + 900 s |" in table
+    assert "| mean +- sd (2 seeds) | 0.000 +- 0.000 | 0.500 +- 0.000 | 0.500 +- 0.354 |" in table

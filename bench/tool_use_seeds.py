@@ -1,0 +1,203 @@
+"""Tool use over seeds (issue 31, README "Tool use over seeds"): 3-digit x 2-digit products
+that SmolLM2-135M-Instruct cannot do in its head, solved with the sandboxed python tool
+of the `code-math` env over several turns; held-out accuracy of the base model, after a
+supervised cold start and after GRPO, mean +- sd across seeds.
+
+    .venv/bin/python bench/tool_use_seeds.py [--seeds 0 1 2] [--demos 256] [--demo-turns 1]
+        [--out bench/results/tool_use_seeds.json]
+    .venv/bin/python bench/tool_use_seeds.py --report [--readme README.md]   # from the file only
+
+Why a cold start: the base model never earns a reward on this task (0 of 32 sampled
+episodes, bench/results/multiturn_probe.json), so every GRPO group has equal rewards and
+no advantage. As DeepSeek-R1 (arXiv 2501.12948 §2.3.1) and ReTool (arXiv 2504.11536 §2.2)
+do, a short supervised fine-tuning on demonstrations of the format comes first. The
+demonstrations are scripted, rendered by the env's own code, on train-split problems
+only: with `--demo-turns 1` (the default) the first turn alone (code that prints
+`a * b`), so the turns after the tool's output (reading it, answering `#### <product>`)
+are left to GRPO; with `--demo-turns 2` also the sandbox's real output and the answer
+(then the cold start alone solves the task: 1.000 held-out at step 0 with seed 0, and
+GRPO has no group with a reward spread to learn from).
+
+Per seed, in a fresh home under bench/results/tmp/ (the main home's converted model and
+compiled ops shared), each part through the services (`opentinker train CONFIG --up`,
+the embedded stack: nats-server and every service as its own process):
+
+1. `--demos` demonstrations -> `<home>/tool_demos.jsonl`;
+2. examples/tool_mul_sft.toml (full fine-tuning, `--set sft_data=...`): the cold start;
+3. examples/tool_mul_grpo.toml from its final model (`--set model=<checkpoints/<sft
+   job>/final>`): GRPO with LoRA, held-out greedy accuracy at step 0 (the cold-start
+   model) and after the last step, from the learner's evaluations in the log;
+4. the base model on the same held-out requests (the learner's Evaluator, same seed),
+   on the transformers engine in this process (bench/heldout.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results" / "tool_use_seeds.json"
+SFT, GRPO = "examples/tool_mul_sft.toml", "examples/tool_mul_grpo.toml"
+MARKER = "tool_use_seeds"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def load(config: str, **over) -> dict:
+    import tomllib
+
+    return {**tomllib.loads((ROOT / config).read_text()), **over}
+
+
+def demonstrations(n: int, seed: int, env_args: dict, turns: int = 1) -> list[dict]:
+    """`n` chats of the calculator loop on distinct train-split problems of `env_args`
+    (seeds from `seed` * 1e6): system and question as the env opens an episode, one
+    python call; with `turns` 2 also the sandbox's real output as the next user message
+    and the final answer. Raises AssertionError if the env does not reward the whole
+    loop (a drifted prompt), whichever part is kept."""
+    from opentinker.services.envhost.envs.code_math import CodeMathGame
+    from opentinker.services.envhost.service import initial_state, open_episode, take_step
+
+    rows, seen, k = [], set(), seed * 1_000_000
+    while len(rows) < n:
+        state = initial_state(CodeMathGame, env_args, k, "train")
+        k += 1
+        if state["question"] in seen:
+            continue
+        seen.add(state["question"])
+        game, system, user, _ = open_episode(CodeMathGame, env_args, state)
+        a, b = re.fullmatch(r"What is (\d+) \* (\d+)\?", user).groups()
+        call = f"```python\nprint({a} * {b})\n```"
+        shown = take_step(game, call)
+        final = f"#### {state['answer']}"
+        assert take_step(game, final).reward == 1.0, (user, shown.observation)
+        chat = [{"role": "system", "content": system}, {"role": "user", "content": user},
+                {"role": "assistant", "content": call}, {"role": "user", "content": shown.observation},
+                {"role": "assistant", "content": final}]
+        rows.append({"messages": chat[:3] if turns == 1 else chat})
+    return rows
+
+
+def train(config: str, home: Path, job: str, sets: list[str]) -> tuple[int, float, float]:
+    """`opentinker train config --up` in `home`: (exit code, start epoch s, wall s)."""
+    env = dict(os.environ, OPENTINKER_HOME=str(home), DS_ACCELERATOR="cpu")
+    cmd = [str(ROOT / ".venv" / "bin" / "opentinker"), "train", config, "--up", "--job-id", job]
+    for s in sets:
+        cmd += ["--set", s]
+    started = time.time()
+    rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    return rc, started, round(time.time() - started, 1)
+
+
+def base_heldout(spec: dict) -> float:
+    """The base model's greedy accuracy on the learner's evaluation requests of `spec`."""
+    import gc
+
+    import msgspec
+
+    from heldout import evaluate_in_process
+    from opentinker.schemas import JobSpec
+    from opentinker.services.core.config import Settings
+    from opentinker.services.core.models import resolve_model
+    from opentinker.services.rollout.engine_hf import HFEngine
+
+    js = msgspec.convert({k: v for k, v in spec.items() if k != "name"}, JobSpec)
+    engine = HFEngine(resolve_model(js.model, Settings().home), seed=js.seed)
+    stats = evaluate_in_process(engine, js, 0)
+    del engine
+    gc.collect()
+    return round(float(stats["reward_mean"]), 4)
+
+
+def run_seed(seed: int, n_demos: int, turns: int) -> dict:
+    from faults import fresh_home
+    from main_job_seeds import job_record
+
+    home = fresh_home(f"tool-use-s{seed}")
+    grpo = load(GRPO, seed=seed)
+    demos = home / "tool_demos.jsonl"
+    demos.write_text("".join(json.dumps(r) + "\n" for r in demonstrations(n_demos, seed, grpo["env_args"], turns)))
+    stamp = time.strftime("%H%M%S")
+    sft_job, rl_job = f"tool-sft-s{seed}-{stamp}", f"tool-rl-s{seed}-{stamp}"
+    sft_rc, _, sft_wall = train(SFT, home, sft_job, [f"seed={seed}", f"sft_data={demos}"])
+    final = home / "checkpoints" / sft_job / "final"
+    rl_rc, started, rl_wall = train(GRPO, home, rl_job, [f"seed={seed}", f"model={final}"])
+    rec = job_record(rl_job, home / "data", started)
+    rec.update(seed=seed, demos=n_demos, demo_turns=turns, sft_rc=sft_rc, sft_wall_s=sft_wall, rc=rl_rc, wall_s=rl_wall,
+               base_heldout=base_heldout(grpo))
+    return rec
+
+
+def summary(runs: list[dict]) -> dict:
+    from main_job_seeds import mean_sd
+
+    keys = ("base_heldout", "heldout_before", "heldout_after", "first5", "last5", "sft_wall_s", "wall_s")
+    out = {k: mean_sd([r[k] for r in runs]) for k in keys}
+    out["total_s"] = mean_sd([r["sft_wall_s"] + r["wall_s"] for r in runs])
+    return out
+
+
+def report(res: dict) -> str:
+    """The markdown table of a results file (the README's numbers)."""
+    from main_job_seeds import fmt
+
+    s = res["summary"]
+
+    def f(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    rows = ["| seed | base model | after cold start (SFT) | after GRPO | GRPO train reward, first 5 -> last 5 steps | SFT + GRPO wall |",
+            "|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        rows.append(f"| {r['seed']} | {f(r['base_heldout'])} | {f(r['heldout_before'])} | {f(r['heldout_after'])} | "
+                    f"{r['first5']:.3f} -> {r['last5']:.3f} | {r['sft_wall_s']:.0f} + {r['wall_s']:.0f} s |")
+    rows.append(f"| mean +- sd ({s['heldout_after']['n']} seeds) | {fmt(s['base_heldout'])} | {fmt(s['heldout_before'])} | "
+                f"{fmt(s['heldout_after'])} | {fmt(s['first5'])} -> {fmt(s['last5'])} | {fmt(s['total_s'], 0)} s |")
+    head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
+            f"(`bench/results/{Path(res['out']).name}`). Held-out: greedy accuracy on the learner's "
+            f"{res['eval_episodes']} evaluation episodes of split `test`, products training never shows; "
+            f"cold start on {res['runs'][0]['demos']} scripted train-split demonstrations "
+            f"({'the tool call only' if res['runs'][0].get('demo_turns', 2) == 1 else 'call, output and answer'}).")
+    return head + "\n\n" + "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    from main_job_seeds import write_readme
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--demos", type=int, default=256, help="scripted demonstrations for the cold start")
+    ap.add_argument("--demo-turns", type=int, choices=(1, 2), default=1,
+                    help="1: demonstrate the tool call only; 2: the call, its output and the answer")
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
+    ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
+    args = ap.parse_args()
+    if args.report:
+        text = report(json.loads(Path(args.out).read_text()))
+        print(text)
+        if args.readme:
+            write_readme(Path(args.readme), text, MARKER)
+        return
+    runs = []
+    for seed in args.seeds:
+        runs.append(run_seed(seed, args.demos, args.demo_turns))
+        print(json.dumps({k: v for k, v in runs[-1].items() if k != "train_reward"}), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
+           "commit": commit, "command": "bench/tool_use_seeds.py " + " ".join(sys.argv[1:]),
+           "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"], "out": Path(args.out).name,
+           "runs": runs, "summary": summary(runs)}
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(report(res))
+
+
+if __name__ == "__main__":
+    main()
