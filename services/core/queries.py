@@ -1,7 +1,7 @@
 """Example queries over the trajectory log's DuckDB views (logdb.py). Plain strings,
 so the CLI can list them without importing DuckDB."""
 
-# Queries worth knowing (README "The trajectory log"); `opentinker query --example NAME`
+# Queries worth knowing (docs/observability.md "The trajectory log"); `opentinker query --example NAME`
 # runs one for a job. {job} is the job id.
 EXAMPLES: dict[str, str] = {
     "reward-by-step": (

@@ -1,4 +1,4 @@
-"""The client-only install (README "Install", `pip install opentinker` with no extra):
+"""The client-only install (docs/install.md, `pip install opentinker` with no extra):
 the base distribution goes into a fresh virtual environment, and a user there submits
 a job with an API key, follows its metrics live and reads its history over REST,
 against the shared multi-tenant stack (tests/tenants.py). Nothing of the `server` extra

@@ -1,6 +1,6 @@
 """`arith`: data-free, single-turn arithmetic ("What is 3 + 5?"), the default task.
 
-SmolLM2-135M-Instruct scores about 0.08 on it (README: it rarely answers with just the
+SmolLM2-135M-Instruct scores about 0.08 on it (bench/RESULTS.md: it rarely answers with just the
 number) and GRPO lifts it to about 0.9 in 40 steps: hard enough to learn, easy enough
 to move.
 
