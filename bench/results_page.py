@@ -63,7 +63,7 @@ def _absent(name: str, script: str) -> str:
 def seeds_section() -> str:
     report = _report("main_job_seeds", "report")
     files = [p for p in sorted(RESULTS.glob("*.json"))
-             if str(_load(p).get("command", "")).startswith("bench/main_job_seeds.py")]
+             if str(_load(p).get("command", "")).startswith("bench/main_job_seeds.py") and "summary" in _load(p)]
     main = RESULTS / "main_job_seeds.json"
     out = ["## The main job over seeds\n\n"]
     out.append(report(_load(main)) if main in files else _absent(main.name, "bench/main_job_seeds.py"))
