@@ -3,32 +3,37 @@ that SmolLM2-135M-Instruct cannot do in its head, solved with the sandboxed pyth
 of the `code-math` env over several turns; held-out accuracy of the base model, after a
 supervised cold start and after GRPO, mean +- sd across seeds.
 
-    .venv/bin/python bench/tool_use_seeds.py [--seeds 0 1 2] [--demos 256] [--demo-turns 1]
+    .venv/bin/python bench/tool_use_seeds.py [--seeds 0 1 2] [--demos 64] [--demo-turns 2]
         [--out bench/results/tool_use_seeds.json]
     .venv/bin/python bench/tool_use_seeds.py --report [--readme README.md]   # from the file only
 
 Why a cold start: the base model never earns a reward on this task (0 of 32 sampled
 episodes, bench/results/multiturn_probe.json), so every GRPO group has equal rewards and
 no advantage. As DeepSeek-R1 (arXiv 2501.12948 §2.3.1) and ReTool (arXiv 2504.11536 §2.2)
-do, a short supervised fine-tuning on demonstrations of the format comes first. The
+do, a supervised fine-tuning on demonstrations of the format comes first. The
 demonstrations are scripted, rendered by the env's own code, on train-split problems
-only: with `--demo-turns 1` (the default) the first turn alone (code that prints
-`a * b`), so the turns after the tool's output (reading it, answering `#### <product>`)
-are left to GRPO; with `--demo-turns 2` also the sandbox's real output and the answer
-(then the cold start alone solves the task: 1.000 held-out at step 0 with seed 0, and
-GRPO has no group with a reward spread to learn from).
+only: code that prints `a * b`, the sandbox's real output, `#### <product>`. The cold
+start is kept minimal (examples/tool_mul_sft.toml: one step of 16 demonstrations), so
+that GRPO has something left to learn. Measured with seed 0 on 2026-11-27: 24 steps make
+the cold start alone solve the task (held-out 1.000 at GRPO's step 0, every group's
+rewards equal); demonstrating the tool call alone (`--demo-turns 1`, 12 steps) makes the
+model answer the tool's output with another call until its runs are spent (reward 0 in
+all of GRPO's first 8 steps).
 
 Per seed, in a fresh home under bench/results/tmp/ (the main home's converted model and
 compiled ops shared), each part through the services (`opentinker train CONFIG --up`,
 the embedded stack: nats-server and every service as its own process):
 
-1. `--demos` demonstrations -> `<home>/tool_demos.jsonl`;
+1. `--demos` demonstrations -> `<home>/tool_demos.jsonl` (the cold start's one or two
+   steps of 16 use the first of them);
 2. examples/tool_mul_sft.toml (full fine-tuning, `--set sft_data=...`): the cold start;
 3. examples/tool_mul_grpo.toml from its final model (`--set model=<checkpoints/<sft
-   job>/final>`): GRPO with LoRA, held-out greedy accuracy at step 0 (the cold-start
-   model) and after the last step, from the learner's evaluations in the log;
-4. the base model on the same held-out requests (the learner's Evaluator, same seed),
-   on the transformers engine in this process (bench/heldout.py).
+   job>/final>`): GRPO with LoRA, held-out accuracy at step 0 (the cold-start model) and
+   after the last step, from the learner's evaluations in the log (sampled at the
+   training temperature, pass@1: greedy decoding is right on every held-out problem
+   from the cold start on, so it cannot show what GRPO adds);
+4. unless `--no-base`, the base model on the same held-out requests (the learner's
+   Evaluator, same seed), on the transformers engine in this process (bench/heldout.py).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def load(config: str, **over) -> dict:
     return {**tomllib.loads((ROOT / config).read_text()), **over}
 
 
-def demonstrations(n: int, seed: int, env_args: dict, turns: int = 1) -> list[dict]:
+def demonstrations(n: int, seed: int, env_args: dict, turns: int = 2) -> list[dict]:
     """`n` chats of the calculator loop on distinct train-split problems of `env_args`
     (seeds from `seed` * 1e6): system and question as the env opens an episode, one
     python call; with `turns` 2 also the sandbox's real output as the next user message
@@ -116,7 +121,7 @@ def base_heldout(spec: dict) -> float:
     return round(float(stats["reward_mean"]), 4)
 
 
-def run_seed(seed: int, n_demos: int, turns: int) -> dict:
+def run_seed(seed: int, n_demos: int, turns: int, base: bool = True) -> dict:
     from faults import fresh_home
     from main_job_seeds import job_record
 
@@ -131,7 +136,7 @@ def run_seed(seed: int, n_demos: int, turns: int) -> dict:
     rl_rc, started, rl_wall = train(GRPO, home, rl_job, [f"seed={seed}", f"model={final}"])
     rec = job_record(rl_job, home / "data", started)
     rec.update(seed=seed, demos=n_demos, demo_turns=turns, sft_rc=sft_rc, sft_wall_s=sft_wall, rc=rl_rc, wall_s=rl_wall,
-               base_heldout=base_heldout(grpo))
+               base_heldout=base_heldout(grpo) if base else None)
     return rec
 
 
@@ -160,11 +165,17 @@ def report(res: dict) -> str:
                     f"{r['first5']:.3f} -> {r['last5']:.3f} | {r['sft_wall_s']:.0f} + {r['wall_s']:.0f} s |")
     rows.append(f"| mean +- sd ({s['heldout_after']['n']} seeds) | {fmt(s['base_heldout'])} | {fmt(s['heldout_before'])} | "
                 f"{fmt(s['heldout_after'])} | {fmt(s['first5'])} -> {fmt(s['last5'])} | {fmt(s['total_s'], 0)} s |")
+    t = res.get("eval_temperature", 0.0)
+    measure = "greedy accuracy" if not t else f"accuracy of sampled episodes (temperature {t:g}, pass@1)"
+    base = ("" if any(r["base_heldout"] is not None for r in res["runs"]) else
+            " The base model was not evaluated in this run (`--no-base`): it solved 0 of 32 sampled episodes"
+            " in `bench/results/multiturn_probe.json`.")
     head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
-            f"(`bench/results/{Path(res['out']).name}`). Held-out: greedy accuracy on the learner's "
+            f"(`bench/results/{Path(res['out']).name}`). Held-out: {measure} on the learner's "
             f"{res['eval_episodes']} evaluation episodes of split `test`, products training never shows; "
             f"cold start on {res['runs'][0]['demos']} scripted train-split demonstrations "
-            f"({'the tool call only' if res['runs'][0].get('demo_turns', 2) == 1 else 'call, output and answer'}).")
+            f"({'the tool call only' if res['runs'][0].get('demo_turns', 2) == 1 else 'call, output and answer'})."
+            + base)
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
@@ -173,9 +184,11 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--demos", type=int, default=256, help="scripted demonstrations for the cold start")
-    ap.add_argument("--demo-turns", type=int, choices=(1, 2), default=1,
+    ap.add_argument("--demos", type=int, default=64, help="scripted demonstrations for the cold start")
+    ap.add_argument("--demo-turns", type=int, choices=(1, 2), default=2,
                     help="1: demonstrate the tool call only; 2: the call, its output and the answer")
+    ap.add_argument("--no-base", action="store_true",
+                    help="skip the base model's evaluation (bench/results/multiturn_probe.json has it: 0 of 32)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
     ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
@@ -188,12 +201,13 @@ def main() -> None:
         return
     runs = []
     for seed in args.seeds:
-        runs.append(run_seed(seed, args.demos, args.demo_turns))
+        runs.append(run_seed(seed, args.demos, args.demo_turns, not args.no_base))
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "train_reward"}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
            "commit": commit, "command": "bench/tool_use_seeds.py " + " ".join(sys.argv[1:]),
-           "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"], "out": Path(args.out).name,
+           "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"],
+           "eval_temperature": load(GRPO)["eval_temperature"], "out": Path(args.out).name,
            "runs": runs, "summary": summary(runs)}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(report(res))

@@ -307,8 +307,8 @@ def test_tool_use_demonstrations_are_rewarded_train_problems_and_the_table_reads
 
     tus = _load("tool_use_seeds")
     env_args = {"source": "arith", "digits": 3, "digits_b": 2, "max_tool_calls": 3}
-    rows = tus.demonstrations(4, 7, env_args, turns=2)
-    first = tus.demonstrations(4, 7, env_args)  # the default: the tool call alone
+    rows = tus.demonstrations(4, 7, env_args)
+    first = tus.demonstrations(4, 7, env_args, turns=1)  # the tool call alone
     assert [r["messages"] for r in first] == [r["messages"][:3] for r in rows]
     questions = [r["messages"][1]["content"] for r in rows]
     assert len(set(questions)) == 4
@@ -328,3 +328,8 @@ def test_tool_use_demonstrations_are_rewarded_train_problems_and_the_table_reads
     table = tus.report(res)
     assert "| 0 | 0.000 | 0.500 | 0.750 | 0.400 -> 0.800 | 100 + 900 s |" in table
     assert "| mean +- sd (2 seeds) | 0.000 +- 0.000 | 0.500 +- 0.000 | 0.500 +- 0.354 |" in table
+    assert "greedy accuracy" in table and "not evaluated" not in table
+    res["eval_temperature"] = 1.0
+    res["runs"] = [{**r, "base_heldout": None} for r in res["runs"]]
+    table = tus.report(res)
+    assert "temperature 1, pass@1" in table and "not evaluated in this run" in table and "| 0 | - | 0.500 |" in table
