@@ -173,7 +173,8 @@ def report(res: dict) -> str:
     head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
             f"(`bench/results/{Path(res['out']).name}`). Held-out: {measure} on the learner's "
             f"{res['eval_episodes']} evaluation episodes of split `test`, products training never shows; "
-            f"cold start on {res['runs'][0]['demos']} scripted train-split demonstrations "
+            f"cold start on scripted train-split demonstrations ({res['runs'][0]['demos']} made, the SFT "
+            f"config's steps x sft_batch_size of them used) "
             f"({'the tool call only' if res['runs'][0].get('demo_turns', 2) == 1 else 'call, output and answer'})."
             + base)
     return head + "\n\n" + "\n".join(rows) + "\n"
