@@ -70,20 +70,26 @@ def job_record(job_id: str, data_dir: Path, started: float) -> dict:
             "bar_step": bar_step, "bar_s": bar_s}
 
 
+def train_up(config: str, home: Path, job: str, sets: list[str]) -> tuple[int, float, float]:
+    """`opentinker train CONFIG --up --job-id JOB --set ...` with OPENTINKER_HOME=`home`:
+    (exit code, start epoch s, wall s)."""
+    env = dict(os.environ, OPENTINKER_HOME=str(home), DS_ACCELERATOR="cpu")
+    cmd = [str(ROOT / ".venv" / "bin" / "opentinker"), "train", config, "--up", "--job-id", job]
+    for s in sets:
+        cmd += ["--set", s]
+    started = time.time()
+    rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    return rc, started, round(time.time() - started, 1)
+
+
 def run_seed(config: str, seed: int, sets: list[str]) -> dict:
     from faults import fresh_home
 
     home = fresh_home(f"main-job-s{seed}")
-    env = dict(os.environ, OPENTINKER_HOME=str(home), DS_ACCELERATOR="cpu")
     job = f"main-s{seed}-{time.strftime('%H%M%S')}"
-    cmd = [str(ROOT / ".venv" / "bin" / "opentinker"), "train", config, "--up", "--job-id", job, "--set", f"seed={seed}"]
-    for s in sets:
-        cmd += ["--set", s]
-    started = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env)
-    wall = round(time.time() - started, 1)
+    rc, started, wall = train_up(config, home, job, [f"seed={seed}", *sets])
     rec = job_record(job, home / "data", started)
-    rec.update(seed=seed, rc=proc.returncode, wall_s=wall)
+    rec.update(seed=seed, rc=rc, wall_s=wall)
     return rec
 
 

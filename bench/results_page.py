@@ -51,23 +51,27 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _newest_first(paths: list[Path]) -> list[tuple[Path, dict]]:
-    res = [(p, _load(p)) for p in paths]
-    return sorted(res, key=lambda pr: (pr[1].get("date") or "", pr[0].name), reverse=True)
+def _results() -> dict[Path, dict]:
+    """Every results file in bench/results/, read once: path -> its JSON."""
+    return {p: _load(p) for p in sorted(RESULTS.glob("*.json"))}
+
+
+def _newest_first(files: dict[Path, dict]) -> list[tuple[Path, dict]]:
+    return sorted(files.items(), key=lambda pr: (pr[1].get("date") or "", pr[0].name), reverse=True)
 
 
 def _absent(name: str, script: str) -> str:
     return f"No results yet: `bench/results/{name}` is not in this checkout (`{script}` writes it).\n"
 
 
-def seeds_section() -> str:
+def seeds_section(results: dict[Path, dict]) -> str:
     report = _report("main_job_seeds", "report")
-    files = [p for p in sorted(RESULTS.glob("*.json"))
-             if str(_load(p).get("command", "")).startswith("bench/main_job_seeds.py") and "summary" in _load(p)]
+    files = {p: r for p, r in results.items()
+             if str(r.get("command", "")).startswith("bench/main_job_seeds.py") and "summary" in r}
     main = RESULTS / "main_job_seeds.json"
     out = ["## The main job over seeds\n\n"]
-    out.append(report(_load(main)) if main in files else _absent(main.name, "bench/main_job_seeds.py"))
-    others = _newest_first([p for p in files if p != main])
+    out.append(report(files[main]) if main in files else _absent(main.name, "bench/main_job_seeds.py"))
+    others = _newest_first({p: r for p, r in files.items() if p != main})
     if others:
         out.append("\n## Other jobs over seeds\n")
         for p, res in others:
@@ -75,20 +79,20 @@ def seeds_section() -> str:
     return "".join(out)
 
 
-def tool_use_section() -> str:
+def tool_use_section(results: dict[Path, dict]) -> str:
     path = RESULTS / "tool_use_seeds.json"
     out = "## Tool use over seeds\n\n"
-    if not path.exists():
+    if path not in results:
         return out + _absent(path.name, "bench/tool_use_seeds.py")
     report = _report("tool_use_seeds", "report")
     if report is None:
         return out + f"`bench/results/{path.name}` is here but `bench/tool_use_seeds.py`, its report, is not.\n"
-    return out + report(_load(path))
+    return out + report(results[path])
 
 
-def e2e_section() -> str:
+def e2e_section(results: dict[Path, dict]) -> str:
     report = _report("e2e_report", "report_table")
-    files = [p for p in sorted(RESULTS.glob("*.json")) if "systems" in _load(p)]
+    files = {p: r for p, r in results.items() if "systems" in r}
     out = ["## Every side-by-side run (`bench/e2e_grpo.py`), newest first\n\n"
            "TRL's GRPOTrainer and OpenTinker sync and async on the main job, as `bench/e2e_grpo.py`\n"
            "prints each results file: what the history below says of each run, in numbers. Each\n"
@@ -101,7 +105,8 @@ def e2e_section() -> str:
 
 
 def build() -> str:
-    parts = [HEADER, seeds_section(), tool_use_section(), e2e_section(), HISTORY.read_text()]
+    results = _results()
+    parts = [HEADER, seeds_section(results), tool_use_section(results), e2e_section(results), HISTORY.read_text()]
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 

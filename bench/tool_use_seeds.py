@@ -13,8 +13,9 @@ no advantage. As DeepSeek-R1 (arXiv 2501.12948 §2.3.1) and ReTool (arXiv 2504.1
 do, a supervised fine-tuning on demonstrations of the format comes first. The
 demonstrations are scripted, rendered by the env's own code, on train-split problems
 only: code that prints `a * b`, the sandbox's real output, `#### <product>`. The cold
-start is kept minimal (examples/tool_mul_sft.toml: one step of 16 demonstrations), so
-that GRPO has something left to learn. Measured with seed 0 on 2026-11-27: 24 steps make
+start is kept minimal (examples/tool_mul_sft.toml: two steps of 16 demonstrations), so
+that GRPO has something left to learn; one step left the model writing the product
+without a code fence (reward 0). Measured with seed 0 on 2026-11-27: 24 steps make
 the cold start alone solve the task (held-out 1.000 at GRPO's step 0, every group's
 rewards equal); demonstrating the tool call alone (`--demo-turns 1`, 12 steps) makes the
 model answer the tool's output with another call until its runs are spent (reward 0 in
@@ -90,19 +91,9 @@ def demonstrations(n: int, seed: int, env_args: dict, turns: int = 2) -> list[di
     return rows
 
 
-def train(config: str, home: Path, job: str, sets: list[str]) -> tuple[int, float, float]:
-    """`opentinker train config --up` in `home`: (exit code, start epoch s, wall s)."""
-    env = dict(os.environ, OPENTINKER_HOME=str(home), DS_ACCELERATOR="cpu")
-    cmd = [str(ROOT / ".venv" / "bin" / "opentinker"), "train", config, "--up", "--job-id", job]
-    for s in sets:
-        cmd += ["--set", s]
-    started = time.time()
-    rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
-    return rc, started, round(time.time() - started, 1)
-
-
 def base_heldout(spec: dict) -> float:
-    """The base model's greedy accuracy on the learner's evaluation requests of `spec`."""
+    """The base model's mean reward on the learner's evaluation requests of `spec` (its
+    eval split, episodes and temperature)."""
     import gc
 
     import msgspec
@@ -123,7 +114,7 @@ def base_heldout(spec: dict) -> float:
 
 def run_seed(seed: int, n_demos: int, turns: int, base: bool = True) -> dict:
     from faults import fresh_home
-    from main_job_seeds import job_record
+    from main_job_seeds import job_record, train_up as train
 
     home = fresh_home(f"tool-use-s{seed}")
     grpo = load(GRPO, seed=seed)
@@ -149,6 +140,17 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
+def probe_base(path: Path = ROOT / "bench" / "results" / "multiturn_probe.json") -> str:
+    """What bench/multiturn_probe.py measured of the base model on this task, as a clause."""
+    if not path.exists():
+        return "."
+    c = next((c for c in json.loads(path.read_text())["candidates"] if c["name"] == "tool-mul-3x2"), None)
+    if c is None:
+        return "."
+    won = round(c["sampled"]["reward_mean"] * c["sampled"]["episodes"])
+    return f": it solved {won} of {c['sampled']['episodes']} sampled episodes in `bench/results/{path.name}`."
+
+
 def report(res: dict) -> str:
     """The markdown table of a results file (the README's numbers)."""
     from main_job_seeds import fmt
@@ -167,9 +169,8 @@ def report(res: dict) -> str:
                 f"{fmt(s['heldout_after'])} | {fmt(s['first5'])} -> {fmt(s['last5'])} | {fmt(s['total_s'], 0)} s |")
     t = res.get("eval_temperature", 0.0)
     measure = "greedy accuracy" if not t else f"accuracy of sampled episodes (temperature {t:g}, pass@1)"
-    base = ("" if any(r["base_heldout"] is not None for r in res["runs"]) else
-            " The base model was not evaluated in this run (`--no-base`): it solved 0 of 32 sampled episodes"
-            " in `bench/results/multiturn_probe.json`.")
+    base = "" if any(r["base_heldout"] is not None for r in res["runs"]) else (
+        " The base model was not evaluated in this run (`--no-base`)" + probe_base())
     head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
             f"(`bench/results/{Path(res['out']).name}`). Held-out: {measure} on the learner's "
             f"{res['eval_episodes']} evaluation episodes of split `test`, products training never shows; "
@@ -189,7 +190,7 @@ def main() -> None:
     ap.add_argument("--demo-turns", type=int, choices=(1, 2), default=2,
                     help="1: demonstrate the tool call only; 2: the call, its output and the answer")
     ap.add_argument("--no-base", action="store_true",
-                    help="skip the base model's evaluation (bench/results/multiturn_probe.json has it: 0 of 32)")
+                    help="skip the base model's evaluation (bench/results/multiturn_probe.json has it)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
     ap.add_argument("--readme", help="with --report: write the table into this README between its markers")

@@ -31,7 +31,8 @@ def test_results_md_is_the_generated_page():
 def test_results_page_names_a_missing_results_file(tmp_path, monkeypatch):
     page = results_page()
     monkeypatch.setattr(page, "RESULTS", tmp_path)
-    text = page.tool_use_section() + page.seeds_section()
+    results = page._results()  # none: the folder is empty
+    text = page.tool_use_section(results) + page.seeds_section(results)
     assert "`bench/results/tool_use_seeds.json` is not in this checkout" in text
     assert "`bench/results/main_job_seeds.json` is not in this checkout" in text
 
