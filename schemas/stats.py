@@ -76,6 +76,19 @@ def game_results(trajs: Sequence[Trajectory]) -> dict[str, float]:
     return {f"{r}_rate": results.count(r) / len(results) for r in ("win", "draw", "loss")}
 
 
+def seat_results(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """`win_rate/<seat>`, `draw_rate/<seat>`, `loss_rate/<seat>` of a multi-agent game's
+    episodes whose env info reports a `result`: the seat won when the result is "win"
+    or names the seat (gomoku-duel names the winner), drew on "draw", lost otherwise.
+    {} for single-agent episodes or when no episode reports a result."""
+    by: dict[str, list[str]] = {}
+    for t in trajs:
+        if t.agent and "result" in t.env_info:
+            r = t.env_info["result"]
+            by.setdefault(t.agent, []).append("win" if r in ("win", t.agent) else "draw" if r == "draw" else "loss")
+    return {f"{k}_rate/{a}": rs.count(k) / len(rs) for a, rs in sorted(by.items()) for k in ("win", "draw", "loss")}
+
+
 def seat_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """`reward_mean/<seat>` for each seat of a multi-agent job's episodes (per-agent
     reward curves); {} for a single-agent job."""

@@ -15,7 +15,7 @@ never counts a lost run's.
 
 Metric keys: schemas.stats.episode_stats (reward_mean, reward_std, correct_frac,
 episodes, episode_len_mean, gen_tokens_mean, turns_mean, error_frac), win/draw/loss_rate
-for games, reward_se and correct_se (standard errors of the means), off_version_frac
+for games, win/draw/loss_rate/<seat> for multi-agent games, reward_se and correct_se (standard errors of the means), off_version_frac
 (the episodes not sampled by exactly the evaluated version: the rollout worker pins an
 evaluation's requests to it, services/rollout/policy.py event_at), eval_time_s. The Metrics message's `step` is the number of training steps
 done, which is also the evaluated policy version.
@@ -30,7 +30,7 @@ import time
 import msgspec
 
 from opentinker.schemas import JobSpec, Metrics, RolloutRequest, Trajectory
-from opentinker.schemas.stats import derived_seed, episode_stats, game_results
+from opentinker.schemas.stats import derived_seed, episode_stats, game_results, seat_results
 
 EVAL_SPLIT_METRICS = "eval"
 
@@ -49,12 +49,14 @@ def standard_error(xs: list[float]) -> float:
 
 def eval_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     """An evaluation's metrics: episode_stats, game_results (win/draw/loss rates, for
-    games), `reward_se` and `correct_se` (standard_error), and `off_version_frac`, the
+    games), seat_results (the same per seat, for multi-agent games), `reward_se` and
+    `correct_se` (standard_error), and `off_version_frac`, the
     fraction of the job's own episodes with a turn sampled by another policy version
     than `version` (0 when the rollout honours the pin; an opponent's seat is not
     counted)."""
     values = episode_stats(trajs)
     values.update(game_results(trajs))
+    values.update(seat_results(trajs))
     values["reward_se"] = standard_error([t.reward for t in trajs])
     values["correct_se"] = standard_error([float(t.correct) for t in trajs])
     own = [t for t in trajs if not t.policy_of and t.turns]
@@ -101,7 +103,8 @@ class Evaluator:
                                group_seed=eval_seed(spec.seed, i), policy_version=version, model=spec.model,
                                env=spec.env, env_args=spec.env_args, group_size=1, sampling=sampling,
                                engine=spec.engine, sampler_dtype=spec.sampler_dtype, split=spec.eval_split,
-                               attempt=self.attempt, policy_run=self.run_id, purpose="eval", agents=spec.agents)
+                               attempt=self.attempt, policy_run=self.run_id, purpose="eval", agents=spec.agents,
+                               opponents=spec.opponents)
                 for i in range(spec.eval_episodes)]
         self.asked.update(r.request_id for r in reqs)
         return reqs

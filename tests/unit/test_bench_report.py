@@ -333,3 +333,71 @@ def test_tool_use_demonstrations_are_rewarded_train_problems_and_the_table_reads
     res["runs"] = [{**r, "base_heldout": None} for r in res["runs"]]
     table = tus.report(res)
     assert "temperature 1, pass@1" in table and "not evaluated in this run" in table and "| 0 | - | 0.500 |" in table
+
+
+def test_game_demonstrations_are_legal_random_train_games_and_the_table_reads_the_file():
+    """bench/game_seeds.py: each cold-start game is a distinct train-split state of the
+    gomoku env, X's moves legal (the env took each) and shown with the env's own replies;
+    the README table is the results file's per-seed numbers."""
+    from opentinker.services.envhost.envs.gomoku import GomokuGame, split_of
+    from opentinker.services.envhost.service import initial_state
+
+    gs = _load("game_seeds")
+    env_args = {"size": 5, "win_length": 3, "opponent": "random", "max_illegal": 3, "legal_reward": 0.1}
+    rows = gs.demonstrations(6, 3, env_args)
+    assert len({json.dumps(r["messages"]) for r in rows}) == 6
+    for r in rows:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles[:2] == ["system", "user"] and roles[-1] == "assistant"
+        assert roles[2:] == ["assistant", "user"] * (len(roles[2:]) // 2) + ["assistant"]
+        assert r["result"] in ("win", "loss", "draw")
+        for move, reply in zip(r["messages"][2::2], r["messages"][3::2]):
+            assert reply["content"].startswith(f"You played {move['content']}.")
+    states = [initial_state(GomokuGame, env_args, k, "train") for k in range(3_000_000, 3_000_006)]
+    assert all(split_of(s) == "train" for s in states)
+    run = {"seed": 0, "demos": 64, "base_win": 0.0, "win_before": 0.5, "win_after": 0.75,
+           "first5": 0.4, "last5": 0.8, "sft_wall_s": 100.0, "wall_s": 900.0}
+    runs = [run, {**run, "seed": 1, "win_after": 0.25}]
+    res = {"date": "d", "commit": "0123456789", "machine": "m", "command": "c", "out": "t.json",
+           "eval_episodes": 32, "eval_temperature": 1.0, "random_player_win_rate": 0.578, "runs": runs,
+           "summary": gs.summary(runs)}
+    table = gs.report(res)
+    assert "| 0 | 0.000 | 0.500 | 0.750 | 0.400 -> 0.800 | 100 + 900 s |" in table
+    assert "| mean +- sd (2 seeds) | 0.000 +- 0.000 | 0.500 +- 0.000 | 0.500 +- 0.354 |" in table
+    assert "sampled games (temperature 1)" in table and "wins 0.58 of 1,000" in table
+    assert res["summary"]["gain_over_base"]["mean"] == 0.5
+
+
+def test_selfplay_demonstrations_are_each_seats_side_as_the_coordinator_shows_it():
+    """bench/selfplay_seeds.py: a game gives one chat per seat, built as the rollout's
+    coordinator builds a seat's conversation (white's first message is its opening joined
+    with black's first move); every move legal; train-split openings only; the score
+    averages the two seats."""
+    from opentinker.services.envhost.envs.selfplay import duel_split_of
+
+    sp = _load("selfplay_seeds")
+    env_args = {"size": 5, "win_length": 3, "opening": 1, "illegal": "retry", "max_illegal": 3}
+    rows = sp.demonstrations(5, 2, env_args)
+    assert [r["seat"] for r in rows] == ["black", "white"] * 5
+    for black, white in zip(rows[::2], rows[1::2]):
+        assert black["result"] == white["result"] in ("black", "white", "draw")
+        assert "as X against" in black["messages"][0]["content"] and "as O against" in white["messages"][0]["content"]
+        assert white["messages"][1]["content"].startswith("You are O; X moves first.\n\nX played "
+                                                          + black["messages"][2]["content"] + ".")
+        for m in black["messages"][3::2]:  # what black is told: white's move, then the position
+            assert m["role"] == "user" and m["content"].startswith("O played ")
+    from opentinker.services.envhost.envs.selfplay import GomokuDuelGame
+    from opentinker.services.envhost.service import initial_state
+
+    stones = [initial_state(GomokuDuelGame, env_args, k, "train")["stones"] for k in range(2_000_000, 2_000_010)]
+    assert all(duel_split_of(5, 1, s) == "train" for s in stones)
+    assert sp.seat_scores({"win_rate/black": 0.5, "win_rate/white": 0.25, "draw_rate/black": 0.25}) == \
+        {"black": 0.5, "white": 0.25}
+    run = {"seed": 0, "start_vs_start": {"black": 0.5, "white": 0.4}, "trained_vs_start": {"black": 0.8, "white": 0.6},
+           "start_score": 0.45, "trained_score": 0.7, "first5": 0.0, "last5": 0.1,
+           "wall_s": {"sft": 100.0, "rl": 800.0, "vs-black": 100.0, "vs-white": 100.0}}
+    res = {"date": "d", "commit": "0123456789", "machine": "m", "command": "c", "out": "t.json",
+           "eval_episodes": 32, "eval_temperature": 1.0, "steps": 10, "runs": [run], "summary": sp.summary([run])}
+    table = sp.report(res)
+    assert "| 0 | 0.500 / 0.400 | 0.800 / 0.600 | 0.450 -> 0.700 | 0.000 -> 0.100 | 1100 s |" in table
+    assert "(gain 0.250)" in table

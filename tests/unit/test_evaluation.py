@@ -87,3 +87,28 @@ def test_an_evaluation_reports_standard_errors_and_episodes_off_its_version():
     trajs.append(at(traj("r9", "e9", 0.0), 7, policy_of="other-job"))  # an opponent's seat: not counted
     assert eval_stats(trajs, 3)["off_version_frac"] == 0.25
     assert eval_stats(trajs[:1], 3)["reward_se"] == 0.0  # one episode has no spread to report
+
+
+def test_a_league_evaluation_seats_the_opponents_job_as_training_does():
+    spec = JobSpec(steps=2, eval_every=1, eval_episodes=2, env="gomoku-duel", agents=2,
+                   opponents={"white": "champion"})
+    assert all(r.opponents == {"white": "champion"} for r in Evaluator("j", spec).requests(0))
+
+
+def test_a_multi_agent_evaluation_reports_each_seats_win_rate():
+    import msgspec
+
+    from opentinker.services.learner.evaluation import eval_stats
+
+    def seat(i: int, agent: str, result: str, policy_of: str = "") -> Trajectory:
+        t = traj(f"r{i}", f"e{i}-{agent}", 1.0 if result == agent else -1.0)
+        return msgspec.structs.replace(t, agent=agent, policy_of=policy_of, env_info={"result": result})
+
+    games = ["black", "black", "white", "draw"]  # gomoku-duel's result names the winning seat
+    trajs = [seat(i, a, r, "champion" if a == "white" else "") for i, r in enumerate(games) for a in ("black", "white")]
+    values = eval_stats(trajs, 0)
+    assert values["win_rate/black"] == 0.5 and values["win_rate/white"] == 0.25
+    assert values["draw_rate/black"] == values["draw_rate/white"] == 0.25
+    assert values["loss_rate/white"] == 0.5
+    single = eval_stats([msgspec.structs.replace(traj("r", "e", 1.0), env_info={"result": "win"})], 0)
+    assert single["win_rate"] == 1.0 and not any("/" in k for k in single)
