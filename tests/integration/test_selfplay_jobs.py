@@ -84,21 +84,33 @@ async def test_self_play_jobs_log_both_seats_and_plot_per_agent_rewards(services
     assert rec.state == JobState.FAILED and "set agents = 2" in rec.reason, rec
     # league play: a new job's black against the trained gomoku-duel job's policy on white
     champ = handles["gomoku-duel"].id
-    league = {**jobs["gomoku-duel"], "steps": 1, "opponents": {"white": champ}}
+    # (its evaluations, before and after its step, seat the champion too)
+    league = {**jobs["gomoku-duel"], "steps": 1, "opponents": {"white": champ}, "eval_every": 1,
+              "eval_episodes": 1, "eval_split": "test"}
     async with await Client.connect(nats_url) as client:
         for bad_spec, why in (({**league, "opponents": {"white": "no-such-job"}}, "no job 'no-such-job' of yours"),
                               ({**league, "model": "smollm2-135m-instruct"}, "same model")):
             with pytest.raises(SpecError) as e:
                 await client.submit(bad_spec)
             assert e.value.field == "opponents" and why in str(e.value), e.value
-    h = (await train_jobs(nats_url, services, {"league": league}, job_id, 600))[0]["league"]
+    got_handles, got_metrics = await train_jobs(nats_url, services, {"league": league}, job_id, 600)
+    h = got_handles["league"]
     n = league["prompts_per_step"] * league["group_size"] * 2
-    await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}'", n)
-    cols, rows = run_query(f"SELECT agent, policy_of, turns, error FROM trajectories WHERE job_id = '{h.id}'",
-                           str(data_dir))
+    await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}' AND split = 'train'", n)
+    cols, rows = run_query(f"SELECT agent, policy_of, turns, error FROM trajectories WHERE job_id = '{h.id}' "
+                           "AND split = 'train'", str(data_dir))
     eps = [dict(zip(cols, r)) for r in rows]
     assert len(eps) == n and not any(ep["error"] for ep in eps)
     for ep in eps:
         # white: the champion's newest trained policy; black: this job's own (its base at step 0)
         assert ep["policy_of"] == (champ if ep["agent"] == "white" else "")
         assert ep["turns"] and all((t["policy_version"] >= 1) == (ep["agent"] == "white") for t in ep["turns"])
+    # the evaluations at versions 0 and 1: one game each, white the champion's, reported per seat
+    await log_rows(data_dir, f"SELECT count(*) FROM trajectories WHERE job_id = '{h.id}' AND split = 'test'", 4)
+    cols, rows = run_query(f"SELECT agent, policy_of, step FROM trajectories WHERE job_id = '{h.id}' "
+                           "AND split = 'test'", str(data_dir))
+    assert sorted((a, p, s) for a, p, s in rows) == [("black", "", 0), ("black", "", 1),
+                                                     ("white", champ, 0), ("white", champ, 1)]
+    evals = [m for m in got_metrics["league"] if m.split == "eval"]
+    assert [m.step for m in evals] == [0, 1]
+    assert all(f"win_rate/{seat}" in m.values for m in evals for seat in ("black", "white"))
