@@ -6,8 +6,8 @@ bench/results/, then the hand-kept history (bench/results_history.md) verbatim.
 
 The tables come from the report code each benchmark already has, newest first within a
 kind: `main_job_seeds.report` for every file `bench/main_job_seeds.py` wrote (the main job
-and other jobs over seeds), `tool_use_seeds.report` for bench/results/tool_use_seeds.json,
-and `e2e_report.report_table` for every file `bench/e2e_grpo.py` wrote. A results file
+and other jobs over seeds), `<stem>.report` for bench/results/<stem>.json of each of TASKS
+(tool use, the game against `random`, self-play), and `e2e_report.report_table` for every file `bench/e2e_grpo.py` wrote. A results file
 that is missing, or whose report code is, is named on the page instead of a table. Run it
 after a benchmark writes a results file (tests/unit/test_results_page.py fails until then).
 Standard library only; reads nothing but bench/.
@@ -79,14 +79,20 @@ def seeds_section(results: dict[Path, dict]) -> str:
     return "".join(out)
 
 
-def tool_use_section(results: dict[Path, dict]) -> str:
-    path = RESULTS / "tool_use_seeds.json"
-    out = "## Tool use over seeds\n\n"
+# (title, results file stem = the bench script that writes it and holds its `report`)
+TASKS = (("Tool use over seeds", "tool_use_seeds"), ("A game against a fixed opponent over seeds", "game_seeds"),
+         ("Self-play over seeds", "selfplay_seeds"))
+
+
+def task_section(results: dict[Path, dict], title: str, stem: str) -> str:
+    """The section of bench/results/`stem`.json, tabled by bench/`stem`.py's `report`."""
+    path = RESULTS / f"{stem}.json"
+    out = f"## {title}\n\n"
     if path not in results:
-        return out + _absent(path.name, "bench/tool_use_seeds.py")
-    report = _report("tool_use_seeds", "report")
+        return out + _absent(path.name, f"bench/{stem}.py")
+    report = _report(stem, "report")
     if report is None:
-        return out + f"`bench/results/{path.name}` is here but `bench/tool_use_seeds.py`, its report, is not.\n"
+        return out + f"`bench/results/{path.name}` is here but `bench/{stem}.py`, its report, is not.\n"
     return out + report(results[path])
 
 
@@ -106,7 +112,8 @@ def e2e_section(results: dict[Path, dict]) -> str:
 
 def build() -> str:
     results = _results()
-    parts = [HEADER, seeds_section(results), tool_use_section(results), e2e_section(results), HISTORY.read_text()]
+    parts = [HEADER, seeds_section(results), *(task_section(results, *t) for t in TASKS), e2e_section(results),
+             HISTORY.read_text()]
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 

@@ -32,8 +32,9 @@ def test_results_page_names_a_missing_results_file(tmp_path, monkeypatch):
     page = results_page()
     monkeypatch.setattr(page, "RESULTS", tmp_path)
     results = page._results()  # none: the folder is empty
-    text = page.tool_use_section(results) + page.seeds_section(results)
-    assert "`bench/results/tool_use_seeds.json` is not in this checkout" in text
+    text = "".join(page.task_section(results, *t) for t in page.TASKS) + page.seeds_section(results)
+    for stem in ("tool_use_seeds", "game_seeds", "selfplay_seeds"):
+        assert f"`bench/results/{stem}.json` is not in this checkout" in text
     assert "`bench/results/main_job_seeds.json` is not in this checkout" in text
 
 
