@@ -173,7 +173,8 @@ def report(res: dict) -> str:
     def f(x):
         return "-" if x is None else f"{x:.3f}"
 
-    rows = ["| seed | base model | after cold start (SFT) | after GRPO | GRPO train reward, first 5 -> last 5 steps | SFT + GRPO wall |",
+    rows = ["| seed | base model | after cold start (SFT) | after GRPO | "
+            "GRPO train reward, first 5 -> last 5 steps | SFT + GRPO wall |",
             "|---|---|---|---|---|---|"]
     for r in res["runs"]:
         rows.append(f"| {r['seed']} | {f(r['base_win'])} | {f(r['win_before'])} | {f(r['win_after'])} | "

@@ -178,7 +178,10 @@ async def run_seed_async(seed: int, n_demos: int) -> dict:
     base = seat_scores(rl["evals"].get(0, {}))
     trained = {s: seat_scores(jobs[f"vs-{s}"]["evals"].get(0, {})).get(s) for s in SEATS}
     rewards = [r for _, r in rl["train_reward"]]
-    mean = (lambda xs: round(sum(xs) / len(xs), 4) if xs and None not in xs else None)
+
+    def mean(xs: list) -> float | None:
+        return round(sum(xs) / len(xs), 4) if xs and None not in xs else None
+
     return {"seed": seed, "demos": n_demos, "job_ids": ids, "states": {k: j["state"] for k, j in jobs.items()},
             "wall_s": {k: j["wall_s"] for k, j in jobs.items()}, "train_reward": rl["train_reward"],
             "first5": mean(rewards[:5]), "last5": mean(rewards[-5:]),
@@ -210,11 +213,13 @@ def report(res: dict) -> str:
         return "-" if x is None else f"{x:.3f}"
 
     rows = ["| seed | start vs start: black / white wins | trained vs start: wins as black / as white | "
-            "score: start vs start -> trained vs start | self-play train reward, first 5 -> last 5 steps | wall (4 jobs) |",
+            "score: start vs start -> trained vs start | self-play train reward, first 5 -> last 5 steps | "
+            "wall (4 jobs) |",
             "|---|---|---|---|---|---|"]
     for r in res["runs"]:
         b, t = r["start_vs_start"], r["trained_vs_start"]
-        rows.append(f"| {r['seed']} | {f(b.get('black'))} / {f(b.get('white'))} | {f(t.get('black'))} / {f(t.get('white'))} | "
+        rows.append(f"| {r['seed']} | {f(b.get('black'))} / {f(b.get('white'))} | "
+                    f"{f(t.get('black'))} / {f(t.get('white'))} | "
                     f"{f(r['start_score'])} -> {f(r['trained_score'])} | {f(r['first5'])} -> {f(r['last5'])} | "
                     f"{sum(r['wall_s'].values()):.0f} s |")
     rows.append(f"| mean +- sd ({s['gain']['n']} seeds) | | | {fmt(s['start_score'])} -> {fmt(s['trained_score'])} "

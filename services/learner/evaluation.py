@@ -9,16 +9,18 @@ and the episode index), so the curve compares policies, not problem sets. The
 episodes travel the job's own rollout and trajectory subjects (the recorder logs them
 with their split). The learner routes by the trajectory's typed `purpose` ("eval",
 copied from the request): an evaluation's episode never enters a training step
-(Evaluator.claims); its `step` is the evaluated policy version. An evaluation counts only the episodes of the requests this run asked for
-(ids `<job>-eval-v<version>-r<run>-e<i>`, looked up, not parsed), so a resumed run
-never counts a lost run's.
+(Evaluator.claims); its `step` is the evaluated policy version. An evaluation counts
+only the episodes of the requests this run asked for (ids
+`<job>-eval-v<version>-r<run>-e<i>`, looked up, not parsed), so a resumed run never
+counts a lost run's.
 
 Metric keys: schemas.stats.episode_stats (reward_mean, reward_std, correct_frac,
 episodes, episode_len_mean, gen_tokens_mean, turns_mean, error_frac), win/draw/loss_rate
-for games, win/draw/loss_rate/<seat> for multi-agent games, reward_se and correct_se (standard errors of the means), off_version_frac
-(the episodes not sampled by exactly the evaluated version: the rollout worker pins an
-evaluation's requests to it, services/rollout/policy.py event_at), eval_time_s. The Metrics message's `step` is the number of training steps
-done, which is also the evaluated policy version.
+for games, win/draw/loss_rate/<seat> for multi-agent games, reward_se and correct_se
+(standard errors of the means), off_version_frac (the episodes not sampled by exactly
+the evaluated version: the rollout worker pins an evaluation's requests to it,
+services/rollout/policy.py event_at), eval_time_s. The Metrics message's `step` is the
+number of training steps done, which is also the evaluated policy version.
 """
 
 from __future__ import annotations

@@ -42,12 +42,12 @@ def test_readme_is_a_front_door():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 300, len(lines)
     opening = "\n".join(lines[:15])
-    first = [l for l in lines if l.startswith("bash scripts/")][:2]
-    assert [l.split()[:2] for l in first] == [["bash", "scripts/train.sh"], ["bash", "scripts/test.sh"]]
-    assert all(l in opening for l in first)
+    first = [line for line in lines if line.startswith("bash scripts/")][:2]
+    assert [line.split()[:2] for line in first] == [["bash", "scripts/train.sh"], ["bash", "scripts/test.sh"]]
+    assert all(line in opening for line in first)
     for marker in ("main_job_seeds", "tool_use_seeds"):
         assert f"<!-- {marker} -->" in lines and f"<!-- /{marker} -->" in lines
-    links = {m for l in lines for m in LINK.findall(l)}
+    links = {m for line in lines for m in LINK.findall(line)}
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"docs/{page.name}" in links, f"README does not link docs/{page.name}"
 
