@@ -16,7 +16,8 @@ importance weights the learner would apply (mean, and fraction capped at C = the
 spec's rollout_is_threshold), and the seconds of `--reps` learner steps (forward,
 backward, optimizer) on those episodes, the first included (a bfloat16 step on a CPU
 without native bf16 arithmetic is slow enough that a warm-up would double the run;
-`--reps 0` measures the gap alone, which other load on the machine does not change). Each engine runs in its own process.
+`--reps 0` measures the gap alone, which other load on the machine does not change).
+Each engine runs in its own process.
 The reward of a bfloat16 run beside a float32 one is a separate measurement: e2e_grpo.py
 --only async,async-bf16 --out bench/results/e2e_grpo_bf16.json.
 """
@@ -95,7 +96,8 @@ def score(dtype: str, path: Path, reps: int) -> dict:
         eng.close()
     return {"tokens": int(kl.numel()), "mismatch_kl": float(kl.mean()), "abs_logp_diff_mean": float(diff.mean()),
             "abs_logp_diff_max": float(diff.max()), "is_weight_mean": float(w.mean()),
-            "is_capped_frac": float(cap.mean()), "train_step_s": statistics.median(times) if times else None, "train_step_times_s": times}
+            "is_capped_frac": float(cap.mean()), "train_step_s": statistics.median(times) if times else None,
+            "train_step_times_s": times}
 
 
 def run(args: list[str]) -> str:

@@ -21,7 +21,8 @@ others from an existing results file):
 - sync, async: the spec is the TOML (opentinker.cli.common.load_job_config, so every
   field it and the schema's defaults set flows through, `rollout_is` included) with only
   max_staleness (0 for sync, 1 for async), steps and evaluation overridden; `--set` adds
-  overrides to the TOML (so to both, and to TRL's setup where a field maps). The resolved specs are in the results. Both jobs run on one stack
+  overrides to the TOML (so to both, and to TRL's setup where a field maps). The resolved
+  specs are in the results. Both jobs run on one stack
   (`opentinker up`'s Stack: nats-server and every service as its own process, vLLM
   rollout, DeepSpeed learner) in a fresh home under bench/results/tmp/, after a 1-step
   warm-up job (not reported; `--no-warmup`) so that neither pays the rollout engine's start.
@@ -73,9 +74,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e_report as R  # the pure parts, beside this file
-from faults import fresh_home  # a scratch home sharing the main home's models and caches
-from heldout import evaluate_adapter, evaluate_in_process, sampled_pass1  # held-out, on one engine
+# the modules beside this file import once the path above is in (hence noqa: E402)
+import e2e_report as R  # the pure parts, beside this file  # noqa: E402
+from faults import fresh_home  # a scratch home sharing the main home's models and caches  # noqa: E402
+from heldout import evaluate_adapter, evaluate_in_process, sampled_pass1  # held-out, on one engine  # noqa: E402
 
 CONFIG = ROOT / "examples" / "arith_grpo.toml"
 OUT = ROOT / "bench" / "results" / "e2e_grpo.json"
@@ -359,7 +361,8 @@ def run_opentinker(keys: list[str], base: dict, steps: int, eval_episodes: int, 
 
     home = fresh_home("e2e-grpo")
     os.environ["OPENTINKER_HOME"] = str(home)
-    exporters = [x.strip() for x in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if x.strip() not in ("", "none")]
+    exporters = [x.strip() for x in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")
+                 if x.strip() not in ("", "none")]
     os.environ["OTEL_TRACES_EXPORTER"] = ",".join(dict.fromkeys(exporters + ["console"]))
     specs = {k: opentinker_spec(base, k, steps, eval_episodes) for k in keys}
     jobspecs = {k: resolved(v) for k, v in specs.items()}

@@ -118,7 +118,8 @@ def fmt(ms: dict, digits: int = 3) -> str:
 def report(res: dict) -> str:
     """The markdown table of a results file (the README's numbers)."""
     s = res["summary"]
-    rows = ["| seed | held-out before | held-out after | train reward, first 5 -> last 5 steps | +0.25 reached | `opentinker train --up` (stack start included) |",
+    rows = ["| seed | held-out before | held-out after | train reward, first 5 -> last 5 steps | +0.25 reached | "
+            "`opentinker train --up` (stack start included) |",
             "|---|---|---|---|---|---|"]
     for r in res["runs"]:
         bar = f"step {r['bar_step']}, {r['bar_s']:.0f} s" if r["bar_s"] is not None else "not reached"
@@ -153,7 +154,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
     ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
-    ap.add_argument("--marker", default="main_job_seeds", help="the README markers' name: <!-- NAME --> ... <!-- /NAME -->")
+    ap.add_argument("--marker", default="main_job_seeds",
+                    help="the README markers' name: <!-- NAME --> ... <!-- /NAME -->")
     args = ap.parse_args()
     if args.report:
         text = report(json.loads(Path(args.out).read_text()))

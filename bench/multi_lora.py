@@ -129,7 +129,8 @@ def main() -> None:
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     native, merge = rows
     result = {"model": args.model, "batch": 16, "new_tokens": 32, "rows": rows,
-              "native_over_merge_end_to_end": round(native["end_to_end_tokens_per_s"] / merge["end_to_end_tokens_per_s"], 3),
+              "native_over_merge_end_to_end": round(native["end_to_end_tokens_per_s"]
+                                                    / merge["end_to_end_tokens_per_s"], 3),
               "lora_enabled_base_speed_ratio": round(native["base_tokens_per_s"] / merge["base_tokens_per_s"], 3),
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     RESULTS.parent.mkdir(exist_ok=True)

@@ -30,7 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from faults import MAIN_HOME, fresh_home  # a scratch home sharing the main home's models
+# beside this file: imports once the path above is in (hence noqa: E402)
+from faults import MAIN_HOME, fresh_home  # a scratch home sharing the main home's models  # noqa: E402
 
 ENV_SPEC = "opentinker.services.envhost.envs.scienceworld:ScienceWorldGame"
 OUT = ROOT / "bench" / "results" / "scienceworld_base.json"

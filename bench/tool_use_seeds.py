@@ -160,13 +160,15 @@ def report(res: dict) -> str:
     def f(x):
         return "-" if x is None else f"{x:.3f}"
 
-    rows = ["| seed | base model | after cold start (SFT) | after GRPO | GRPO train reward, first 5 -> last 5 steps | SFT + GRPO wall |",
+    rows = ["| seed | base model | after cold start (SFT) | after GRPO | GRPO train reward, first 5 -> last 5 steps | "
+            "SFT + GRPO wall |",
             "|---|---|---|---|---|---|"]
     for r in res["runs"]:
         rows.append(f"| {r['seed']} | {f(r['base_heldout'])} | {f(r['heldout_before'])} | {f(r['heldout_after'])} | "
                     f"{r['first5']:.3f} -> {r['last5']:.3f} | {r['sft_wall_s']:.0f} + {r['wall_s']:.0f} s |")
-    rows.append(f"| mean +- sd ({s['heldout_after']['n']} seeds) | {fmt(s['base_heldout'])} | {fmt(s['heldout_before'])} | "
-                f"{fmt(s['heldout_after'])} | {fmt(s['first5'])} -> {fmt(s['last5'])} | {fmt(s['total_s'], 0)} s |")
+    rows.append(f"| mean +- sd ({s['heldout_after']['n']} seeds) | {fmt(s['base_heldout'])} | "
+                f"{fmt(s['heldout_before'])} | {fmt(s['heldout_after'])} | {fmt(s['first5'])} -> {fmt(s['last5'])} | "
+                f"{fmt(s['total_s'], 0)} s |")
     t = res.get("eval_temperature", 0.0)
     measure = "greedy accuracy" if not t else f"accuracy of sampled episodes (temperature {t:g}, pass@1)"
     base = "" if any(r["base_heldout"] is not None for r in res["runs"]) else (

@@ -40,5 +40,5 @@ def main(argv: list[str] | None = None) -> int:
         top = (e.name or "").split(".")[0]
         if not top or top == "opentinker":
             raise
-        raise SystemExit(f"opentinker {args.cmd}: the Python package {top!r} is not installed; this command "
-                         "needs an extra of opentinker (pip install 'opentinker[server]', or [plot], [wandb])") from None
+        raise SystemExit(f"opentinker {args.cmd}: the Python package {top!r} is not installed; this command needs "
+                         "an extra of opentinker (pip install 'opentinker[server]', or [plot], [wandb])") from None

@@ -115,6 +115,7 @@ def register(sub) -> None:
     s.add_argument("--up", action="store_true", help="start the embedded stack for this job")
     s.add_argument("--job-id", default="")
     s.add_argument("--detach", action="store_true", help="print the job id and return")
-    s.add_argument("--wandb", action="store_true", help="also log the job to wandb (offline unless WANDB_API_KEY or WANDB_MODE say otherwise)")
+    s.add_argument("--wandb", action="store_true",
+                   help="also log the job to wandb (offline unless WANDB_API_KEY or WANDB_MODE say otherwise)")
     s.set_defaults(fn=cmd_train)
 

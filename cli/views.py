@@ -163,7 +163,8 @@ async def watch(client, job_id: str, console, refresh_s: float = 0.5) -> Any:
 
     def table() -> Table:
         t = Table("state", "step", "reward", "best", "eval", "step s", "lag", "tokens/s", box=None)
-        t.add_row(state, f"{int(last.get('step', -1)) + 1}/{rec.spec.steps}", f"{last.get('reward_mean', float('nan')):.3f}",
+        t.add_row(state, f"{int(last.get('step', -1)) + 1}/{rec.spec.steps}",
+                  f"{last.get('reward_mean', float('nan')):.3f}",
                   f"{best:.3f}" if best > float("-inf") else "-",
                   f"{evals.get('correct_frac', evals.get('reward_mean', float('nan'))):.3f}" if evals else "-",
                   f"{last.get('step_time_s', float('nan')):.1f}", f"{last.get('policy_lag_mean', float('nan')):.2f}",

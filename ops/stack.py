@@ -76,11 +76,13 @@ class Stack:
             self.server = NatsServer(self.home / "nats", port=port, auth=True,
                                      log_file=self.log_dir / "nats-server.log").start()
             self.nats_url = self.server.url
-        if "scheduler" in self.services and not any(o.startswith("api_port=") for o in self.overrides.get("scheduler", [])):
+        if ("scheduler" in self.services
+                and not any(o.startswith("api_port=") for o in self.overrides.get("scheduler", []))):
             api_port = DEFAULT_API_PORT if _port_free(DEFAULT_API_PORT) else free_port()
             self.overrides.setdefault("scheduler", []).append(f"api_port={api_port}")
             self.api_url = f"http://127.0.0.1:{api_port}/"
-        if "tinker" in self.services and not any(o.startswith("tinker_port=") for o in self.overrides.get("tinker", [])):
+        if ("tinker" in self.services
+                and not any(o.startswith("tinker_port=") for o in self.overrides.get("tinker", []))):
             port = DEFAULT_TINKER_PORT if _port_free(DEFAULT_TINKER_PORT) else free_port()
             self.overrides.setdefault("tinker", []).append(f"tinker_port={port}")
             self.tinker_url = f"http://127.0.0.1:{port}"
@@ -137,7 +139,8 @@ class Stack:
         service = name.partition("-")[0]
         env = self.child_env(name)
         # the scheduler bootstraps the admin with it; the tinker API cancels idle sessions' jobs with it
-        if name in ("scheduler", "tinker") and not (env.get("OPENTINKER_ADMIN_KEY") or env.get("OPENTINKER_ADMIN_KEY_FILE")):
+        if name in ("scheduler", "tinker") and not (env.get("OPENTINKER_ADMIN_KEY")
+                                                    or env.get("OPENTINKER_ADMIN_KEY_FILE")):
             env["OPENTINKER_ADMIN_KEY_FILE"] = str(self.admin_key_file())
         if self.server is not None and self.server.auth:
             env["NATS_NKEY"] = str(self.server.service_seed_file)

@@ -372,7 +372,8 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
         _check(spec.mini_batches <= spec.episodes_per_step, "mini_batches",
                f"must be at most the step's {spec.episodes_per_step} episodes (got {spec.mini_batches})")
         _check(spec.overlong_buffer < max_generated_tokens(spec), "overlong_buffer",
-               f"must be below the episode's generation budget {max_generated_tokens(spec)} (got {spec.overlong_buffer})")
+               f"must be below the episode's generation budget {max_generated_tokens(spec)} "
+               f"(got {spec.overlong_buffer})")
     s = spec.sampling
     _check(s.max_total_tokens > s.max_new_tokens, "sampling.max_total_tokens",
            "must exceed sampling.max_new_tokens")

@@ -6,5 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export OPENTINKER_HOME="${OPENTINKER_HOME:-$PWD/.opentinker}"
 export DS_ACCELERATOR=cpu
+# lint first (ruff, [tool.ruff] in pyproject.toml): a lint error fails the run before the long suite
+.venv/bin/ruff check .
 # the slowest tests are listed at the end (--durations): where the suite's time goes
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 900 --durations=25 "$@"

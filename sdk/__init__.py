@@ -17,4 +17,5 @@ from opentinker.sdk.client import (
     AuthenticationError, Client, InferenceEndpoint, Job, JobFailed, SyncClient, SyncJob,
 )
 
-__all__ = ["AbstractGame", "AuthenticationError", "Client", "InferenceEndpoint", "Job", "JobFailed", "StepResult", "SyncClient", "SyncJob"]
+__all__ = ["AbstractGame", "AuthenticationError", "Client", "InferenceEndpoint", "Job", "JobFailed", "StepResult",
+           "SyncClient", "SyncJob"]

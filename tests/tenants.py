@@ -91,7 +91,8 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
            "OPENTINKER_DATA_DIR": str(data_dir),
            "OPENTINKER_MAX_UNFINISHED_JOBS_PER_USER": str(MAX_UNFINISHED),
            "OPENTINKER_FINISHED_JOBS_PER_USER": str(FINISHED_KEPT),
-           "OPENTINKER_TINKER_SESSION_IDLE_S": str(TINKER_IDLE_S), "OPENTINKER_TINKER_POLLS_PER_USER": str(TINKER_POLLS),
+           "OPENTINKER_TINKER_SESSION_IDLE_S": str(TINKER_IDLE_S),
+           "OPENTINKER_TINKER_POLLS_PER_USER": str(TINKER_POLLS),
            "OPENTINKER_TINKER_INFLIGHT_BYTES_PER_USER": str(TINKER_INFLIGHT_BYTES),
            "OPENTINKER_STORE_BYTES_PER_USER": str(STORE_BYTES)}
     port, tinker_port = free_port(), free_port()

@@ -333,7 +333,8 @@ def update_plan(episodes: Sequence[int], mini_batches: int, epochs: int, seed: i
     if not episodes:
         return []
     g = torch.Generator().manual_seed(seed)
-    perm = [episodes[i] for i in torch.randperm(len(episodes), generator=g).tolist()] if mini_batches > 1 else list(episodes)
+    perm = ([episodes[i] for i in torch.randperm(len(episodes), generator=g).tolist()] if mini_batches > 1
+            else list(episodes))
     k = min(mini_batches, len(perm))
     parts = [perm[j * len(perm) // k:(j + 1) * len(perm) // k] for j in range(k)]
     return [p for _ in range(epochs) for p in parts]

@@ -72,7 +72,8 @@ def group_seed(seed: int, step: int, group_index: int, refill: int = 0) -> int:
     """The initial-state seed of one group, a pure function of (seed, step, group) and,
     for the `refill`-th replacement of a group without signal (dynamic_sampling), of
     that index too."""
-    return derived_seed(seed, step, group_index) if refill == 0 else derived_seed("refill", seed, step, group_index, refill)
+    return (derived_seed(seed, step, group_index) if refill == 0
+            else derived_seed("refill", seed, step, group_index, refill))
 
 
 # a train step's per-token averages (engine.train_step; the IS weights and the sampler /

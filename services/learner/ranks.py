@@ -24,7 +24,8 @@ keeps the exactly-once accounting of one rank, and the micro-batches a step send
 the ranks are a few MB.
 
 A rank that dies takes the group down (torchrun stops the others); the engine call in
-flight raises RankError, and the job fails with it. The service's own death closes rank 0's connection, and the group exits.
+flight raises RankError, and the job fails with it. The service's own death
+closes rank 0's connection, and the group exits.
 """
 
 from __future__ import annotations

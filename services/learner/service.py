@@ -9,7 +9,8 @@ an `SFTRun` (sft.py): the same weights, metrics and checkpoints, from a dataset 
 DuckDB-filtered slice of the trajectory log.
 
 Joins the pool: a heartbeat in KV `ot_workers` (kind "learner", one slot, the job it
-runs, the most data-parallel ranks it starts for one job: `learner_max_ranks`), so the scheduler places jobs here and requeues them if this process dies.
+runs, the most data-parallel ranks it starts for one job: `learner_max_ranks`), so the
+scheduler places jobs here and requeues them if this process dies.
 
 Reads
 - `ot.ctl.assign.learner.<worker_id>` (OT_CTL work queue, durable "learner-<worker_id>"):

@@ -3,10 +3,10 @@ Tinker API `create_lora_training_client`, driven operation by operation.
 
 The job's assignment builds the engine (LoRA on the spec's model, one rank, ZeRO 0),
 loads the save it starts from (`tinker_init`, a create_training_client_from_state; a
-save that does not load fails the job with the reason), announces readiness (TinkerResult seq 0), then executes the session's TinkerOps from
-`ot.job.<id>.ops.*` strictly in `seq_id` order (an op that arrives early waits for
-the ones before it), publishing each TinkerResult on `ot.job.<id>.results.<seq>`
-before acking the op:
+save that does not load fails the job with the reason), announces readiness
+(TinkerResult seq 0), then executes the session's TinkerOps from `ot.job.<id>.ops.*`
+strictly in `seq_id` order (an op that arrives early waits for the ones before it),
+publishing each TinkerResult on `ot.job.<id>.results.<seq>` before acking the op:
 
 - forward / forward_backward: per datum the policy's logprob of each target token
   and the loss (tinker_losses.py); forward_backward adds the gradient to the

@@ -141,11 +141,11 @@ class HFEngine:
         live = [True] * b
         for _ in range(max(limits)):
             tok, lp = sample(res.logits[:, -1].float(), temp, top_p, self.generator)
-            for i, (t, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+            for i, (t, logp) in enumerate(zip(tok.tolist(), lp.tolist())):
                 if not live[i]:
                     continue
                 tokens[i].append(t)
-                logprobs[i].append(l)
+                logprobs[i].append(logp)
                 if t in self.stop_ids:
                     live[i], reasons[i] = False, "stop"
                 elif len(tokens[i]) >= limits[i]:
@@ -156,7 +156,7 @@ class HFEngine:
             pos = pos[:, -1:] + 1
             res = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                              past_key_values=res.past_key_values, use_cache=True, logits_to_keep=1)
-        return [GenOut(t, l, r) for t, l, r in zip(tokens, logprobs, reasons)]
+        return [GenOut(t, lps, r) for t, lps, r in zip(tokens, logprobs, reasons)]
 
     @torch.inference_mode()
     def prompt_logprobs(self, prompts: list[list[int]],

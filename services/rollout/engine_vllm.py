@@ -11,9 +11,10 @@ Nothing but service.py imports this module.
 - LoRA adapters up to `max_lora_rank` are applied by vLLM per request (multi-LoRA,
   `use_lora`): jobs sharing the engine switch adapters without touching the weights.
 - Weights reload in place by Hugging Face name (`reload_weights`), a partial load of
-  just the changed tensors (full-weight jobs, and adapters vLLM cannot apply). vLLM fuses q/k/v (and gate/up) into one parameter and
-  re-processes it only when every part arrives, so callers send whole fused groups
-  (`packed_modules`, weights.HeldWeights does this).
+  just the changed tensors (full-weight jobs, and adapters vLLM cannot apply). vLLM
+  fuses q/k/v (and gate/up) into one parameter and re-processes it only when every
+  part arrives, so callers send whole fused groups (`packed_modules`,
+  weights.HeldWeights does this).
 - Prefix caching stays on (vLLM V1's default): the group_size episodes of a group share
   their prompt, so its KV blocks are computed once. Those blocks hold keys/values of the
   weights they were computed with, so every in-place reload resets the prefix cache

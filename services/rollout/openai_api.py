@@ -172,7 +172,8 @@ def make_app(worker: RolloutWorker) -> FastAPI:
                 return list(body.prompt)
             return list(tok(body.prompt)["input_ids"])
 
-        slot, ids, version, out = await generate(rec, prompt_of, _sampling(body.temperature, body.top_p, body.max_tokens))
+        slot, ids, version, out = await generate(rec, prompt_of,
+                                                 _sampling(body.temperature, body.top_p, body.max_tokens))
         text = slot.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": rec.spec.model, "system_fingerprint": f"opentinker-v{version}",

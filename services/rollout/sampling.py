@@ -140,8 +140,8 @@ async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
         return
     if rec is not None:
         why = ("" if rec.kind == "inference" and rec.placement is not None and worker.worker in rec.placement.rollout
-               and rec.attempt == req.attempt else f"job {req.job_id} is not an inference job placed on {worker.worker} "
-                                                   f"at attempt {req.attempt}")
+               and rec.attempt == req.attempt
+               else f"job {req.job_id} is not an inference job placed on {worker.worker} at attempt {req.attempt}")
     if why:
         await bus.dead_letter(m, f"TinkerSample refused: {why}")
         await m.term()

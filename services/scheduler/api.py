@@ -238,9 +238,11 @@ def make_app(sched: "Scheduler") -> FastAPI:
                 if visible(r, user):
                     placed.setdefault(w, []).append(r.job_id)
         now = time.time()
-        return [{**as_json(info), "jobs": info.jobs if user.role == "admin" else [j for j in info.jobs if j in placed.get(w, [])],
+        return [{**as_json(info),
+                 "jobs": info.jobs if user.role == "admin" else [j for j in info.jobs if j in placed.get(w, [])],
                  "placed_jobs": placed.get(w, []),
-                 "load": (load.learners[w] if info.kind == "learner" else load.rollout[w]) / max(1, info.capacity.slots),
+                 "load": ((load.learners[w] if info.kind == "learner" else load.rollout[w])
+                          / max(1, info.capacity.slots)),
                  "heartbeat_age_s": round(now - info.time_s, 2)}
                 for w, info in sorted(live.items())]
 

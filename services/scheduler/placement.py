@@ -11,11 +11,12 @@ pool's learner slots (`learner_share`, at least one slot) while another user's t
 job waits for a learner; with nobody else waiting, a user may use every free learner.
 The first job that does not fit the free capacity stops placement for this round, so a
 large job is never starved by smaller ones behind it (that job is of the least-served
-user, whom the capacity freed next goes to). A job the whole pool could not hold even when idle (more
-rollout workers than it has, or no learner at all) waits without stopping the round:
-otherwise one tenant's impossible job would stall every job behind it. A training job takes one free learner offering its
-`learner_ranks` (data-parallel ranks on that learner's host) and `rollout_workers`
-rollout workers with a free slot; an inference job takes rollout workers only. Among
+user, whom the capacity freed next goes to). A job the whole pool could not hold even
+when idle (more rollout workers than it has, or no learner at all) waits without
+stopping the round: otherwise one tenant's impossible job would stall every job behind
+it. A training job takes one free learner offering its `learner_ranks` (data-parallel
+ranks on that learner's host) and `rollout_workers` rollout workers with a free slot; an
+inference job takes rollout workers only. Among
 rollout workers, those already serving the job's base model come first (LoRA jobs of
 one base model share a worker and its engine, each with its own adapter), then the
 least loaded. Every round starts from the records, so a freed worker is used at the

@@ -61,7 +61,9 @@ from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import live_workers
 from opentinker.services.core.runner import run_service
 from opentinker.schemas.users import User
-from opentinker.services.scheduler.placement import inference_requests, Quota, holders, lost_workers, plan, without_lost_rollout
+from opentinker.services.scheduler.placement import (
+    inference_requests, Quota, holders, lost_workers, plan, without_lost_rollout,
+)
 from opentinker.services.scheduler.retention import expired_records, forget_jobs, named_jobs
 from opentinker.services.core.users import AuthError, Users
 
@@ -264,7 +266,8 @@ class Scheduler:
                     raise SpecError("opponents", f"seat {seat!r}: no job {other!r} of yours")
                 if models[other] != changes["model"]:
                     raise SpecError("opponents", f"seat {seat!r}: job {other!r} trains {models[other]!r}, "
-                                                 f"this job {changes['model']!r}: a seat's policy must be of the same model")
+                                                 f"this job {changes['model']!r}: "
+                                                 "a seat's policy must be of the same model")
             env_owner = await resolve_env_owner(self.bus, cmd.spec, cmd.kind, user.name)
             if not env_owner and path_args(cmd.spec.env_args):  # an operator's env reads them on a service host
                 changes["env_args"] = confine_env_args(cmd.spec.env_args, **rules)

@@ -208,8 +208,8 @@ def make_app(gw: Gateway) -> FastAPI:
     async def create_model(request: Request) -> dict:
         user, b = await body(request, CreateModelBody)
         lora = b.lora_config or LoraConfig()
-        job_id = await gw.create_model(user, key_of(request), b.session_id, b.model_seq_id, b.base_model, lora.rank, lora.seed,
-                                       attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
+        job_id = await gw.create_model(user, key_of(request), b.session_id, b.model_seq_id, b.base_model, lora.rank,
+                                       lora.seed, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
         return {"request_id": wire.request_id(job_id, 0), "model_id": wire.model_of_job(job_id)}
 
     @app.post("/api/v1/get_info")

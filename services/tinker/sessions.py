@@ -350,7 +350,8 @@ class Gateway:
         except wire.WireError as e:
             raise ApiError(400, str(e)) from None
         if kind != "weights":
-            raise ApiError(400, f"path: {path!r} holds sampler weights; a training client starts from a save_state path")
+            raise ApiError(400, f"path: {path!r} holds sampler weights; "
+                                "a training client starts from a save_state path")
         src = await self.own_model(user, mid)
         base = (await self.bus.job_record(src))[0].spec
         job_id = wire.model_job(session_id, n)

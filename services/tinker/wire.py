@@ -150,7 +150,8 @@ def _tensor(t, name: str) -> TinkerTensor:
         values = np.frombuffer(t.sparse_csr.values, dt)
         crow = np.frombuffer(t.sparse_csr.crow_indices, np.int64)
         col = np.frombuffer(t.sparse_csr.col_indices, np.int64)
-        if (len(crow) != shape[0] + 1 or len(col) != len(values) or (len(col) and (col.min() < 0 or col.max() >= shape[1]))
+        if (len(crow) != shape[0] + 1 or len(col) != len(values)
+                or (len(col) and (col.min() < 0 or col.max() >= shape[1]))
                 or np.any(np.diff(crow) < 0) or crow[0] != 0 or crow[-1] != len(values)):
             raise WireError(f"{name}: inconsistent CSR indices for shape {shape}")
         a = np.zeros(shape, dt)

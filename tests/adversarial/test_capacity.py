@@ -202,7 +202,8 @@ async def test_long_polls_are_capped_per_user_and_answered_by_push(world, alice)
             await asyncio.sleep(2.0)
             t1 = time.monotonic()
             await world.service.publish(S.tinker_result(job_id, 950),
-                                        TinkerResult(job_id=job_id, seq_id=950, op="optim_step", metrics={"x:mean": 1.0}))
+                                        TinkerResult(job_id=job_id, seq_id=950, op="optim_step",
+                                                     metrics={"x:mean": 1.0}))
             r = await poll
             assert r.status_code == 200 and r.json() == {"metrics": {"x:mean": 1.0}}, r.text
             assert time.monotonic() - t1 < 10

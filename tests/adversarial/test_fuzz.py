@@ -4,8 +4,9 @@ while a job trains:
 
 - 1,000 as a tenant (bob's API key) on every subject a tenant might try: the services'
   command subjects, job subjects (his own and alice's), KV and JetStream API subjects,
-  environment subjects (the operator's, alice's own, his own), a made-up reply subject. A tenant may publish nothing, so each must be refused by
-  nats-server (one "Permissions Violation" each).
+  environment subjects (the operator's, alice's own, his own), a made-up reply subject. A
+  tenant may publish nothing, so each must be refused by nats-server (one "Permissions
+  Violation" each).
 - 9,000 as a service (the service nkey: a buggy or compromised service) on every subject
   a service consumes: job commands, learner assignments, job events, rollout requests,
   trajectories, weight events, metrics, environment RPC (the operator's `info` included)
@@ -73,8 +74,8 @@ LEARNER, ROLLOUT = "adv-l2", "adv-r1"
 # is none of the subjects' (a well-formed variant must still be refused for that) -------
 
 SPEC = JobSpec(steps=1)
-TRAJ = Trajectory(job_id="fz-template", request_id="fz-template-s0-g0", episode_id="fz-template-s0-g0-e0", step=0, group_index=0,
-                  group_size=2, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -2.0],
+TRAJ = Trajectory(job_id="fz-template", request_id="fz-template-s0-g0", episode_id="fz-template-s0-g0-e0", step=0,
+                  group_index=0, group_size=2, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -2.0],
                   prompt_len=1, turns=[TurnRecord(gen_start=1, gen_end=3, obs_end=3)], reward=1.0,
                   policy_version=0)
 TEMPLATES: dict[str, msgspec.Struct] = {
@@ -773,7 +774,8 @@ async def test_bad_replies_of_a_tenants_own_env_fail_only_its_episodes_and_crash
         job = await world.bob.submit({"name": "bob-fuzzenv", "model": world.tiny_model, "env": "fuzzenv",
                                       "engine": "hf", "steps": 3, "prompts_per_step": 4, "group_size": 2,
                                       "lora_rank": 4, "checkpoint_every": 100, "micro_batch_size": 4,
-                                      "rollout_timeout_s": 10, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
+                                      "rollout_timeout_s": 10,
+                                      "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
         rec = await job.wait(timeout_s=600, raise_on_failure=False)
     finally:
         await nc.close()

@@ -19,7 +19,6 @@ import itertools
 import time
 from pathlib import Path
 
-import msgspec
 import nats
 import pytest
 

@@ -18,7 +18,8 @@ async def test_undecodable_goes_to_dead_letter_and_consumer_continues(bus, job_i
     subj = S.job(job_id, "metrics")
     await bus.js.publish(subj, b"\xc1not msgpack")
     await bus.publish(subj, Metrics(job_id=job_id, step=1, policy_version=1))
-    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("test")), deliver_policy=__import__("nats").js.api.DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("test")),
+                            deliver_policy=__import__("nats").js.api.DeliverPolicy.NEW)
     sub = await bus.durable(S.Durable(S.STREAM_METRICS, f"c-{job_id}", subj))
     got: list[Metrics] = []
     stop = asyncio.Event()

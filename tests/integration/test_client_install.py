@@ -244,7 +244,8 @@ async def test_a_client_only_user_runs_the_seed_workflow_on_her_own_env_and_her_
         async with await Client.connect(world.server.url, api_key=key, api_url=world.api_url) as dora:
             handle = await dora.submit({"name": "cli-env", "model": world.tiny_model, "env": "clisum", "engine": "hf",
                                         "steps": 3, "prompts_per_step": 2, "group_size": 2, "lora_rank": 4,
-                                        "micro_batch_size": 4, "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
+                                        "micro_batch_size": 4,
+                                        "sampling": {"max_new_tokens": 8, "max_total_tokens": 256}})
             rec = await handle.wait(timeout_s=600, raise_on_failure=False)
         assert rec.state.value == "completed" and rec.env_owner == "dora" and rec.step >= 2, rec
     finally:

@@ -163,7 +163,8 @@ def test_a_bad_env_spec_exits_with_the_reason(services, tmp_path):
 
 async def test_undecodable_request_is_dead_lettered_and_host_keeps_serving(bus, services, job_id):
     proc = services.start("envhost", args=["--env", "arith"])
-    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("envhost")), deliver_policy=DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("envhost")),
+                            deliver_policy=DeliverPolicy.NEW)
     await episode(bus, "arith", proc)  # the host is up
     with pytest.raises(nats.errors.TimeoutError):
         await bus.nc.request(S.env_reset("arith"), b"\xc1 not msgpack", timeout=2)

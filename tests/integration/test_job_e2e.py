@@ -98,7 +98,8 @@ def engine_times(log_dir) -> tuple[datetime, datetime]:
         return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
 
     (rollout,) = [m for f in log_dir.glob("rollout-*.log")
-                  for m in re.finditer(r"^(\S+ \S+) rollout INFO .* engine for .* ready in ([0-9.]+) s", f.read_text(), re.M)]
+                  for m in re.finditer(r"^(\S+ \S+) rollout INFO .* engine for .* ready in ([0-9.]+) s",
+                                       f.read_text(), re.M)]
     (learner,) = [line for f in log_dir.glob("learner-*.log") for line in f.read_text().splitlines()
                   if " INFO opentinker.learner.engine: engine ready" in line]
     return stamp(rollout.group(1)) - timedelta(seconds=float(rollout.group(2))), stamp(learner)
@@ -160,7 +161,8 @@ async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job
         await sub.unsubscribe()
         assert versions == [1, 2]
         n = spec["steps"] * spec["prompts_per_step"] * spec["group_size"]
-        rows = await log_rows(data_dir, f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id='{job_id}'", n)
+        rows = await log_rows(data_dir,
+                              f"SELECT count(DISTINCT episode_id) FROM trajectories WHERE job_id='{job_id}'", n)
         assert rows[0][0] == n
         rows = await log_rows(data_dir, f"SELECT count(*) FROM metrics WHERE job_id='{job_id}'", 1)
         assert rows[0][0] >= 1

@@ -111,13 +111,15 @@ async def test_learner_runs_a_job_end_to_end(bus, job_id, tiny_model, services):
                    group_size=2, micro_batch_size=2, checkpoint_every=1, lr=1e-2, max_staleness=0,
                    sampling=SamplingParams(max_new_tokens=8))
     rollout_sub = await bus.durable(S.Durable(S.STREAM_ROLLOUT, f"fake-rollout-{job_id}", S.rollout(job_id, "fake")))
-    subs = {kind: await bus.durable(S.Durable(stream, f"watch-{job_id}-{kind.__name__}", S.job(job_id, fam)), deliver_policy=DeliverPolicy.ALL)
+    subs = {kind: await bus.durable(S.Durable(stream, f"watch-{job_id}-{kind.__name__}", S.job(job_id, fam)),
+                                    deliver_policy=DeliverPolicy.ALL)
             for kind, stream, fam in ((Metrics, "OT_METRICS", "metrics"),
                                       (WeightsPublished, "OT_WEIGHTS", "weights"),
                                       (JobStateChanged, "OT_EVENTS", "events"))}
     bad_id = f"{job_id}-bad"
     bad_events = await bus.durable(S.Durable(S.STREAM_EVENTS, f"watch-{bad_id}", S.job(bad_id, "events")))
-    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("learner")), deliver_policy=DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("learner")),
+                            deliver_policy=DeliverPolicy.NEW)
     fake = FakeRollout(tiny_model)
     services.start("learner", f"worker_id=l-{job_id}")
     # an undecodable assignment, assignments no record places here, and a job that
@@ -290,8 +292,10 @@ async def test_a_cancelled_job_stops_and_the_learner_serves_the_next(bus, job_id
     spec = JobSpec(model=tiny_model, lora_rank=4, lora_alpha=8, steps=5, prompts_per_step=1,
                    group_size=2, micro_batch_size=2, sampling=SamplingParams(max_new_tokens=8))
     next_id = f"{job_id}-next"
-    rollout_subs = [await bus.durable(S.Durable(S.STREAM_ROLLOUT, f"fake-rollout-{j}", S.rollout(j, "fake"))) for j in (job_id, next_id)]
-    events_subs = [await bus.durable(S.Durable(S.STREAM_EVENTS, f"watch-{j}-e", S.job(j, "events"))) for j in (job_id, next_id)]
+    rollout_subs = [await bus.durable(S.Durable(S.STREAM_ROLLOUT, f"fake-rollout-{j}", S.rollout(j, "fake")))
+                    for j in (job_id, next_id)]
+    events_subs = [await bus.durable(S.Durable(S.STREAM_EVENTS, f"watch-{j}-e", S.job(j, "events")))
+                   for j in (job_id, next_id)]
     metrics_sub = await bus.durable(S.Durable(S.STREAM_METRICS, f"watch-{job_id}-m", S.job(job_id, "metrics")))
     fake = FakeRollout(tiny_model)
     services.start("learner", f"worker_id=l-{job_id}")
@@ -321,8 +325,9 @@ async def test_a_cancelled_job_stops_and_the_learner_serves_the_next(bus, job_id
     await bus.publish(S.job(job_id, "events"), JobStateChanged(
         job_id=job_id, state=JobState.CANCELLED, reason="by the test", source="scheduler"))
     # the learner hands the job back as done and takes the next one
-    await bus.publish(S.assign_learner(f"l-{job_id}"), JobAssigned(job_id=next_id, spec=msgspec.structs.replace(spec, steps=1),
-                                                          rollout_workers=["fake"], attempt=1))
+    await bus.publish(S.assign_learner(f"l-{job_id}"),
+                      JobAssigned(job_id=next_id, spec=msgspec.structs.replace(spec, steps=1),
+                                  rollout_workers=["fake"], attempt=1))
     while not any(e.job_id == next_id and e.state == JobState.COMPLETED for e in events):
         await poll()
 
@@ -352,8 +357,10 @@ async def test_groups_that_fail_or_never_come_are_asked_again_then_fail_the_job_
     spec = JobSpec(model=tiny_model, lora_rank=4, lora_alpha=8, steps=2, prompts_per_step=1, group_size=2,
                    micro_batch_size=2, sampling=SamplingParams(max_new_tokens=8), rollout_timeout_s=1.5)
     erroring, silent = f"{job_id}-err", f"{job_id}-silent"
-    subs = {j: await bus.durable(S.Durable(S.STREAM_ROLLOUT, f"fake-rollout-{j}", S.rollout(j, "fake"))) for j in (erroring, silent)}
-    events = {j: await bus.durable(S.Durable(S.STREAM_EVENTS, f"watch-{j}", S.job(j, "events"))) for j in (erroring, silent)}
+    subs = {j: await bus.durable(S.Durable(S.STREAM_ROLLOUT, f"fake-rollout-{j}", S.rollout(j, "fake")))
+            for j in (erroring, silent)}
+    events = {j: await bus.durable(S.Durable(S.STREAM_EVENTS, f"watch-{j}", S.job(j, "events")))
+              for j in (erroring, silent)}
     services.start("learner", f"worker_id=l-{job_id}")
     for j in (erroring, silent):
         await place_job(bus, j, spec, learner=f"l-{job_id}", rollout=["fake"])

@@ -91,7 +91,8 @@ def test_views_exist_before_any_file(tmp_path):
 
 async def test_bad_messages_are_dead_lettered_and_recording_goes_on(bus, services, job_id, tmp_path):
     log = tmp_path / "log"
-    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("recorder")), deliver_policy=DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("recorder")),
+                            deliver_policy=DeliverPolicy.NEW)
     proc = services.start("recorder", f"data_dir={log}", *FAST)
     subj = S.job(job_id, "traj")
     await bus.js.publish(subj, b"\xc1 not msgpack")
@@ -187,7 +188,8 @@ async def test_values_the_columns_cannot_hold_are_dead_lettered_and_recording_go
     job is recorded, and the recorder keeps running (it once crash-looped on these,
     JetStream redelivering them forever)."""
     log = tmp_path / "log"
-    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("recorder")), deliver_policy=DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("recorder")),
+                            deliver_policy=DeliverPolicy.NEW)
     proc = services.start("recorder", f"data_dir={log}", *FAST)
     metrics, events, trajs = S.job(job_id, "metrics"), S.job(job_id, "events"), S.job(job_id, "traj")
     await bus.publish(metrics, Metrics(job_id=job_id, step=2**63, policy_version=0, values={"loss": 1.0}))

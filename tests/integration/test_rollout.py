@@ -238,7 +238,8 @@ async def test_rollout_service_hf(bus, services, job_id, tiny_model, tmp_path):
     done_job = f"{job_id}-done"
     kv = await bus.kv(S.KV_JOBS)
     await kv.put(done_job, encode(JobRecord(job_id=done_job, spec=JobSpec(), state=JobState.COMPLETED)))
-    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("rollout")), deliver_policy=nats.js.api.DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("rollout")),
+                            deliver_policy=nats.js.api.DeliverPolicy.NEW)
     await bus.publish(S.rollout(done_job, f"w2-{job_id}"),
                       rollout_request(done_job, "smollm2-135m-instruct", "count", "rx", 0))
     await bus.js.publish(S.rollout(job_id, f"w2-{job_id}"), b"\xc1 not a request")

@@ -103,7 +103,8 @@ def test_dry_run_job_adapter_and_full_checkpoint(tiny_model, adapter, tmp_path):
 
     out = dry_run("--model", tiny_model, "--job", lora_job, env=env)
     assert out["names"] == ["tiny-llama", lora_job]
-    assert flag(out["command"], "--lora-modules") == f"{lora_job}={(home / 'checkpoints' / lora_job / 'final').resolve()}"
+    assert (flag(out["command"], "--lora-modules")
+            == f"{lora_job}={(home / 'checkpoints' / lora_job / 'final').resolve()}")
 
     out = dry_run("--job", full_job, env=env)
     assert out["names"] == [full_job]

@@ -96,7 +96,8 @@ async def test_a_huge_bad_message_is_dead_lettered_truncated_and_terminated(bus,
     payload = b"\xc1" + b"z" * (3 * MiB)
     await bus.js.publish(subj, payload, headers={"Big": "h" * (20 * KiB), "Small": "s"})
     await bus.publish(S.job(job_id, "metrics"), Metrics(job_id=job_id, step=0, policy_version=0))
-    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("test")), deliver_policy=DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("test")),
+                            deliver_policy=DeliverPolicy.NEW)
     sub = await bus.durable(S.Durable(S.STREAM_TRAJ, f"c-{job_id}", subj))
     stop = asyncio.Event()
 
@@ -121,7 +122,8 @@ async def test_a_huge_bad_message_is_dead_lettered_truncated_and_terminated(bus,
 
 async def test_a_small_bad_message_is_kept_whole(bus, job_id):
     m = await core_message(bus, f"core.{job_id}", b"\xc1 small")
-    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("test")), deliver_policy=DeliverPolicy.NEW)
+    dlq = await bus.durable(S.Durable(S.STREAM_DLQ, f"dlq-{job_id}", S.dead_letter("test")),
+                            deliver_policy=DeliverPolicy.NEW)
     await bus.dead_letter(m, "bad")
     recs = [decode(x.data, DeadLetter) for x in await bus.fetch(dlq, 5, 2)]
     (rec,) = [r for r in recs if r.subject == f"core.{job_id}"]

@@ -8,7 +8,6 @@ logprobs and stop tokens; wrong keys refused; another tenant's models, futures a
 saves unreachable; what is not served fails at once, naming itself."""
 
 import asyncio
-import math
 
 import httpx
 import numpy as np
@@ -192,7 +191,8 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services):
     assert (await asyncio.to_thread(run_sdk, base, keys["bob"], bob_loads_alices_save)).endswith("/weights/still-fine")
     # nor by submitting a tinker job naming alice's save directly
     alices_job = mid.replace(":train:", "-m")
-    reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(algorithm="tinker", model=tiny_model, tinker_init=f"{alices_job}/mine"),
+    reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(algorithm="tinker", model=tiny_model,
+                                                               tinker_init=f"{alices_job}/mine"),
                                                   api_key=keys["bob"].removeprefix("tml-")), SubmitReply)
     assert not reply.ok and reply.field == "tinker_init", reply
     # nor by seating alice's policy as the opponent of a self-play job
@@ -246,7 +246,8 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
         except Exception as e:  # the SDK's own error type for a failed request
             oov = str(e)
         # the base model's rate, on more samples than one iteration draws
-        base_res = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=64, sampling_params=params).result()
+        base_res = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=64,
+                                       sampling_params=params).result()
         base_rate = float(np.mean([tok.decode(s.tokens).strip().lower().startswith("yes") for s in base_res.sequences]))
         eos = tok.eos_token_id
         one = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=2, include_prompt_logprobs=True,

@@ -27,7 +27,8 @@ def _traj(i: int, prompt: int, gen: int, reward: float, logp: float = -2.0) -> T
     ids = [(7 * i + 3 * k) % 500 + 10 for k in range(prompt + gen)]
     return Trajectory(job_id="j", request_id="r", episode_id=f"e{i}", step=0, group_index=0, group_size=2,
                       token_ids=ids, loss_mask=[0] * prompt + [1] * gen, logprobs=[0.0] * prompt + [logp] * gen,
-                      prompt_len=prompt, turns=[TurnRecord(gen_start=prompt, gen_end=prompt + gen, obs_end=prompt + gen)],
+                      prompt_len=prompt,
+                      turns=[TurnRecord(gen_start=prompt, gen_end=prompt + gen, obs_end=prompt + gen)],
                       reward=reward, policy_version=0)
 
 

@@ -25,7 +25,8 @@ def ids(recs: list[JobRecord]) -> list[str]:
 
 
 def test_finished_records_older_than_the_retention_go_and_unfinished_ones_never():
-    recs = [rec("old-done", state=JobState.COMPLETED, age_days=31), rec("old-failed", state=JobState.FAILED, age_days=40),
+    recs = [rec("old-done", state=JobState.COMPLETED, age_days=31),
+            rec("old-failed", state=JobState.FAILED, age_days=40),
             rec("old-cancelled", age_days=30.01), rec("young", state=JobState.COMPLETED, age_days=29.9),
             *(rec(f"old-{s.value}", state=s, age_days=400) for s in UNFINISHED)]
     assert UNFINISHED  # queued and running

@@ -41,7 +41,8 @@ def test_the_documented_queries_answer_from_the_log(log):
         {"step": 0, "reward": 0.5, "episodes": 2, "policy_tokens": 5.0},
         {"step": 1, "reward": 0.5, "episodes": 2, "policy_tokens": 5.0}]
     turns = query("per-turn", log)
-    assert [(t["turn_no"], t["episodes"], t["reward"], t["tokens"]) for t in turns] == [(1, 4, 0.0, 2.0), (2, 4, 0.5, 3.0)]
+    assert ([(t["turn_no"], t["episodes"], t["reward"], t["tokens"]) for t in turns]
+            == [(1, 4, 0.0, 2.0), (2, 4, 0.5, 3.0)])
     lag = query("policy-lag", log)
     assert [(r["step"], r["max_lag"]) for r in lag] == [(0, 0), (1, 1)]
     slow = query("slowest-envs", log)

@@ -224,7 +224,8 @@ def test_turn_advantages_are_bounded_not_huge_when_the_whole_returns_are_equal()
     lost_b = [0.0, -0.1, -1.0]   # illegal move on turn 1, lost on turn 2
     [group] = turn_advantages([[lost_a, lost_b]], gamma=1.0)
     h = 1 / math.sqrt(2)  # (G - 1) / sqrt(G), G = 2
-    assert group == [pytest.approx([0.0, h, 0.0], rel=1e-4, abs=1e-9), pytest.approx([0.0, -h, 0.0], rel=1e-4, abs=1e-9)]
+    assert group == [pytest.approx([0.0, h, 0.0], rel=1e-4, abs=1e-9),
+                     pytest.approx([0.0, -h, 0.0], rel=1e-4, abs=1e-9)]
     # the same rewards in another order: whole returns equal only up to rounding
     [group] = turn_advantages([[[0.1, 0.2, -1.0], [0.2, 0.1, -1.0]]], gamma=1.0)
     assert group[0][0] == group[1][0] == 0.0 and group[0][2] == group[1][2] == 0.0

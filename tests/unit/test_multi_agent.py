@@ -132,7 +132,8 @@ def duel_request(**kw) -> RolloutRequest:
     sampling = kw.pop("sampling", SamplingParams(max_new_tokens=4, max_turns=3, max_total_tokens=1024))
     return RolloutRequest(job_id="j1", request_id="r1", step=0, group_index=0, group_seed=5, policy_version=0,
                           model="tiny", env="gomoku-duel",
-                          env_args=kw.pop("env_args", {"size": 5, "win_length": 3, "illegal": "random"}), group_size=2, sampling=sampling, agents=kw.pop("agents", 2), **kw)
+                          env_args=kw.pop("env_args", {"size": 5, "win_length": 3, "illegal": "random"}),
+                          group_size=2, sampling=sampling, agents=kw.pop("agents", 2), **kw)
 
 
 async def version0() -> int:

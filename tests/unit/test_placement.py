@@ -152,7 +152,8 @@ def test_one_user_with_many_queued_jobs_does_not_keep_another_behind():
 
 
 def test_a_user_over_their_learner_share_waits_while_another_user_waits_for_a_learner():
-    live = pool(*(worker(f"l{i}", "learner") for i in range(3)), *(worker(f"r{i}", "rollout", slots=8) for i in range(4)))
+    live = pool(*(worker(f"l{i}", "learner") for i in range(3)),
+                *(worker(f"r{i}", "rollout", slots=8) for i in range(4)))
     share = lambda u: Quota(max_jobs=10, max_workers=20, learner_share=0.5)  # noqa: E731
     held = [job("b0", 0.1, user="bob", placement=Placement(attempt=1, learner="l0", rollout=["r0"])),
             # alice's inference jobs hold more workers than bob's one job: fair order alone would pick bob

@@ -7,7 +7,7 @@
 | `gsm8k` | GSM8K | single | grade-school math, verified by Math-Verify |
 | `guess-number` | free | multi | guess a hidden number from higher/lower hints |
 | `code-math` | GSM8K or free | multi | math with a sandboxed Python interpreter (tool calls) |
-| `geometry3k` | Geometry3K (sample shipped; `data_dir`, $GEOMETRY3K_DATA) | single | geometry with a diagram image (vision-language), \\boxed{} answer |
+| `geometry3k` | Geometry3K (see below) | single | geometry with a diagram image (vision-language), \\boxed{} answer |
 | `geometry3k-tool` | as `geometry3k` | multi | `geometry3k` with a calculator tool (tool calls) |
 | `gomoku` | free | multi | gomoku against a built-in opponent |
 | `gomoku-duel` | free | multi-agent | gomoku self-play: black and white seats of one policy (`agents = 2`) |
@@ -15,4 +15,6 @@
 | `scienceworld` | ScienceWorld (scienceworld package + Java) | multi | text-agent science tasks, one command a turn |
 | `alfworld` | ALFWorld ($ALFWORLD_DATA) | multi | household tasks in ALFWorld's text games (TextWorld PDDL) |
 | `android-world` | - | - | not served: needs an Android emulator (raises with the reason) |
+
+`geometry3k`'s data: the env arg `data_dir`, else $GEOMETRY3K_DATA, else the sample shipped with the package.
 """
