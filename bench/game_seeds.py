@@ -1,30 +1,41 @@
-"""Games over seeds (issue 31, README "Games over seeds"): gomoku on a 5x5 board, three
-in a row, against the env's `random` opponent; held-out win rate of the base model,
-after a supervised cold start and after GRPO, mean +- sd across seeds.
+"""A game against a fixed opponent over seeds (issue 31, README "A game against a fixed
+opponent"): guess-number (1..100, 7 guesses, "Higher."/"Lower." after each), or gomoku
+(5x5, three in a row, against the env's `random` player) with `--game gomoku`; held-out
+win rate of the base model, after a supervised cold start and after GRPO, mean +- sd
+across seeds.
 
-    .venv/bin/python bench/game_seeds.py [--seeds 0 1 2] [--demos 64] [--no-base]
-        [--out bench/results/game_seeds.json]
+    .venv/bin/python bench/game_seeds.py [--game guess-number|gomoku] [--seeds 0 1 2] [--demos 64]
+        [--no-base] [--out bench/results/game_seeds.json]
     .venv/bin/python bench/game_seeds.py --report [--readme README.md]   # from the file only
 
-Why a cold start: the base model names no legal cell (it lost all 32 sampled games in
-bench/results/multiturn_probe.json, 24 on an illegal first move), so as for tool use
-(bench/tool_use_seeds.py; DeepSeek-R1, arXiv 2501.12948 §2.3.1) a supervised fine-tuning
-on demonstrations of the format comes first. The demonstrations show the rules and
-nothing more: X plays a uniformly random empty cell every turn (such a player wins 58%
-of 1,000 games against `random`, bench/game_seeds.py's `random_player_win_rate`), on
-train-split games only, rendered and answered by the env's own code. Making three in a
-row, and blocking the opponent's, is left to GRPO.
+Why a cold start: the base model does not play either game. On guess-number its greedy
+reply restates the prompt ("I'm thinking of an integer between 1 and 16...") and the env
+reads its first number, so it guesses 1 every turn; GRPO from it moved nothing in 10 to 20
+steps (bench/results/guess_number_seed0.json, guess_number_tuned_s0.json). On gomoku it
+names no legal cell (all 32 sampled games lost, 24 on an illegal first move,
+bench/results/multiturn_probe.json). As for tool use (bench/tool_use_seeds.py;
+DeepSeek-R1, arXiv 2501.12948 §2.3.1) a supervised fine-tuning on scripted
+demonstrations comes first, rendered and answered by the env's own code, on
+train-split problems only:
+- guess-number: binary search (guess the middle of the numbers still possible), which
+  always wins within 7 guesses; four SFT steps of 16 games teach the format and roughly
+  the search, and GRPO trains the policy's own sampled games from there;
+- gomoku: X plays a uniformly random empty cell each turn (the rules, no strategy: such
+  a player wins 58% of 1,000 games against `random`). Measured on 2026-11-28, one seed:
+  a gomoku game is ~800 tokens (the board is in every message), so the cold start took
+  12 min and a GRPO step with micro-batches of 8 ran the learner out of memory (20 GB),
+  too slow for 3 seeds of 40 min on this 2-core machine; guess-number is the default.
 
 Per seed, in a fresh home under bench/results/tmp/ (the main home's converted model and
 compiled ops shared), each part through the services (`opentinker train CONFIG --up`):
 
-1. `--demos` games -> `<home>/gomoku_demos.jsonl` (the cold start uses its steps x
+1. `--demos` games -> `<home>/game_demos.jsonl` (the cold start uses its steps x
    sft_batch_size first ones);
-2. examples/gomoku_sft.toml (full fine-tuning, `--set sft_data=...`): the cold start;
-3. examples/gomoku_vs_random.toml from its final model (`--set model=<checkpoints/<sft
+2. the game's SFT config (full fine-tuning, `--set sft_data=...`): the cold start;
+3. the game's GRPO config from its final model (`--set model=<checkpoints/<sft
    job>/final>`): GRPO with LoRA; held-out win rate at step 0 (the cold-start model)
-   and after the last step, the learner's evaluations (`win_rate` of split "eval" in
-   the metrics log: greedy, `eval_episodes` games of split "test");
+   and after the last step, the learner's evaluations (metrics of split "eval":
+   `eval_episodes` games of split "test", sampled at `eval_temperature`);
 4. unless `--no-base`, the base model on the same held-out games (the learner's
    Evaluator's requests, same seed), on the transformers engine in this process
    (bench/heldout.py).
@@ -44,7 +55,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "game_seeds.json"
-SFT, GRPO = "examples/gomoku_sft.toml", "examples/gomoku_vs_random.toml"
+# game -> (SFT config, GRPO config, the eval metric that is its win rate)
+GAMES = {"guess-number": ("examples/guess_number_sft.toml", "examples/guess_number_grpo.toml", "correct_frac"),
+         "gomoku": ("examples/gomoku_sft.toml", "examples/gomoku_vs_random.toml", "win_rate")}
 MARKER = "game_seeds"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -55,13 +68,16 @@ def load(config: str, **over) -> dict:
     return {**tomllib.loads((ROOT / config).read_text()), **over}
 
 
-def demonstrations(n: int, seed: int, env_args: dict) -> list[dict]:
-    """`n` chats of whole games on distinct train-split states of the gomoku env with
-    `env_args` (state seeds from `seed` * 1e6): the env's system prompt and position,
+def demonstrations(n: int, seed: int, env_args: dict, game: str = "gomoku") -> list[dict]:
+    """`n` chats of whole games of `game`: guess_demonstrations for guess-number; for
+    gomoku, games on distinct train-split states of the env with `env_args` (state
+    seeds from `seed` * 1e6): the env's system prompt and position,
     then per turn X's move, a uniformly random empty cell (drawn from the state's seed),
     and the env's reply (the opponent's move and the new position) as the next user
     message, up to the move that ends the game. Raises AssertionError if the env refuses
     a move (a drifted parser)."""
+    if game == "guess-number":
+        return guess_demonstrations(n, seed, env_args)
     from opentinker.services.envhost.envs.gomoku import GomokuGame, cell_name, empties
     from opentinker.services.envhost.service import initial_state, open_episode, take_step
 
@@ -88,6 +104,40 @@ def demonstrations(n: int, seed: int, env_args: dict) -> list[dict]:
     return rows
 
 
+def guess_demonstrations(n: int, seed: int, env_args: dict) -> list[dict]:
+    """`n` chats of guess-number with `env_args`, on train-split targets (state seeds from
+    `seed` * 1e6; a target repeats only once all train targets are used): the env's
+    system prompt and question, then binary search, each guess the middle of the numbers
+    still possible (lower middle), each followed by the env's reply, up to "Correct!".
+    Raises AssertionError unless the env rewards the game (a drifted prompt or parser)."""
+    from opentinker.services.envhost.envs.guess_number import GuessNumberGame, split_of
+    from opentinker.services.envhost.service import initial_state, open_episode, take_step
+
+    size = env_args.get("n", 16)
+    train = sum(split_of(size, t) == "train" for t in range(1, size + 1))
+    rows, seen, k = [], set(), seed * 1_000_000
+    while len(rows) < n:
+        state = initial_state(GuessNumberGame, env_args, k, "train")
+        k += 1
+        if state["target"] in seen and len(seen) < train:
+            continue
+        seen.add(state["target"])
+        game, system, user, _ = open_episode(GuessNumberGame, env_args, state)
+        chat = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        lo, hi = 1, size
+        while True:
+            guess = (lo + hi) // 2
+            reply = take_step(game, str(guess))
+            chat.append({"role": "assistant", "content": str(guess)})
+            if reply.done:
+                break
+            chat.append({"role": "user", "content": reply.observation})
+            lo, hi = (guess + 1, hi) if reply.observation.startswith("Higher") else (lo, guess - 1)
+        assert reply.reward == 1.0, (state, chat[-2:])
+        rows.append({"messages": chat, "result": "win"})
+    return rows
+
+
 def random_player_win_rate(env_args: dict, games: int = 1000) -> float:
     """The win rate of the demonstrations' player (a uniformly random empty cell each
     turn) against the env's opponent, over `games` train-split games."""
@@ -95,8 +145,9 @@ def random_player_win_rate(env_args: dict, games: int = 1000) -> float:
     return sum(r["result"] == "win" for r in rows) / games
 
 
-def base_heldout(spec: dict) -> float:
-    """The base model's held-out win rate on the learner's evaluation requests of `spec`
+def base_heldout(spec: dict, metric: str) -> float:
+    """The base model's held-out win rate (`metric`: win_rate, or correct_frac for a game
+    whose episodes report no result) on the learner's evaluation requests of `spec`
     (its eval split, episodes and temperature)."""
     import gc
 
@@ -104,7 +155,7 @@ def base_heldout(spec: dict) -> float:
 
     from heldout import run_requests
     from opentinker.schemas import JobSpec
-    from opentinker.schemas.stats import game_results
+    from opentinker.schemas.stats import episode_stats, game_results
     from opentinker.services.core.config import Settings
     from opentinker.services.core.models import resolve_model
     from opentinker.services.learner.evaluation import Evaluator
@@ -115,7 +166,8 @@ def base_heldout(spec: dict) -> float:
     groups, _ = run_requests(engine, js, Evaluator("bench-game", js).requests(0), 0)
     del engine
     gc.collect()
-    return round(game_results([t for g in groups for t in g])["win_rate"], 4)
+    trajs = [t for g in groups for t in g]
+    return round({**episode_stats(trajs), **game_results(trajs)}[metric], 4)
 
 
 def eval_win_rates(job_id: str, data_dir: Path, key: str = "win_rate") -> list[list]:
@@ -128,28 +180,29 @@ def eval_win_rates(job_id: str, data_dir: Path, key: str = "win_rate") -> list[l
     return [[s, round(v, 4)] for s, v in rows]
 
 
-def run_seed(seed: int, n_demos: int, base: bool = True) -> dict:
+def run_seed(game: str, seed: int, n_demos: int, base: bool = True) -> dict:
     from faults import fresh_home
     from main_job_seeds import job_record, train_up as train
 
+    sft_config, grpo_config, metric = GAMES[game]
     home = fresh_home(f"game-s{seed}")
-    grpo = load(GRPO, seed=seed)
-    demos = home / "gomoku_demos.jsonl"
+    grpo = load(grpo_config, seed=seed)
+    demos = home / "game_demos.jsonl"
     demos.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n"
-                             for r in demonstrations(n_demos, seed, grpo["env_args"])))
+                             for r in demonstrations(n_demos, seed, grpo["env_args"], game)))
     stamp = time.strftime("%H%M%S")
     sft_job, rl_job = f"game-sft-s{seed}-{stamp}", f"game-rl-s{seed}-{stamp}"
-    sft_rc, _, sft_wall = train(SFT, home, sft_job, [f"seed={seed}", f"sft_data={demos}"])
+    sft_rc, _, sft_wall = train(sft_config, home, sft_job, [f"seed={seed}", f"sft_data={demos}"])
     final = home / "checkpoints" / sft_job / "final"
-    rl_rc, started, rl_wall = train(GRPO, home, rl_job, [f"seed={seed}", f"model={final}"])
+    rl_rc, started, rl_wall = train(grpo_config, home, rl_job, [f"seed={seed}", f"model={final}"])
     rec = job_record(rl_job, home / "data", started)
-    wins = eval_win_rates(rl_job, home / "data")
+    wins = eval_win_rates(rl_job, home / "data", metric)
     last = rec["train_reward"][-1][0] + 1 if rec["train_reward"] else None
     rec.update(seed=seed, demos=n_demos, sft_rc=sft_rc, sft_wall_s=sft_wall, rc=rl_rc, wall_s=rl_wall,
                eval_win_rate=wins,
                win_before=wins[0][1] if wins and wins[0][0] == 0 else None,
                win_after=wins[-1][1] if wins and wins[-1][0] == last else None,
-               base_win=base_heldout(grpo) if base else None)
+               base_win=base_heldout(grpo, metric) if base else None)
     return rec
 
 
@@ -183,12 +236,19 @@ def report(res: dict) -> str:
                 f"{fmt(s['win_after'])} | {fmt(s['first5'])} -> {fmt(s['last5'])} | {fmt(s['total_s'], 0)} s |")
     t = res.get("eval_temperature", 0.0)
     measure = "greedy win rate" if not t else f"win rate of sampled games (temperature {t:g})"
+    game = res.get("game", "gomoku")
+    if game == "guess-number":
+        held = "targets training never sees"
+        demos = "binary search"
+    else:
+        held = "opponent seeds training never plays"
+        demos = (f"random legal moves; that player wins {res['random_player_win_rate']:.2f} of 1,000 games "
+                 "against `random`")
     head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
-            f"(`bench/results/{Path(res['out']).name}`). Held-out: {measure} in the learner's "
-            f"{res['eval_episodes']} evaluation games of split `test`, opponent seeds training never plays; "
-            f"cold start on scripted train-split games of random legal moves ({res['runs'][0]['demos']} made, "
-            f"the SFT config's steps x sft_batch_size of them used; that player wins "
-            f"{res['random_player_win_rate']:.2f} of 1,000 games against `random`).")
+            f"(`bench/results/{Path(res['out']).name}`). {game} ({res['configs'][1]}); held-out: {measure} in "
+            f"the learner's {res['eval_episodes']} evaluation games of split `test`, {held}; cold start on "
+            f"scripted train-split games of {demos} ({res['runs'][0]['demos']} made, the SFT config's steps x "
+            "sft_batch_size of them used).")
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
@@ -196,6 +256,7 @@ def main() -> None:
     from main_job_seeds import write_readme
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--game", choices=sorted(GAMES), default="guess-number")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--demos", type=int, default=64, help="scripted games for the cold start")
     ap.add_argument("--no-base", action="store_true", help="skip the base model's evaluation")
@@ -210,13 +271,16 @@ def main() -> None:
             write_readme(Path(args.readme), text, MARKER)
         return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    grpo = load(GAMES[args.game][1])
     res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
            "commit": commit, "command": "bench/game_seeds.py " + " ".join(sys.argv[1:]),
-           "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"],
-           "eval_temperature": load(GRPO)["eval_temperature"], "out": Path(args.out).name,
-           "random_player_win_rate": random_player_win_rate(load(GRPO)["env_args"]), "runs": []}
+           "game": args.game, "configs": list(GAMES[args.game][:2]), "metric": GAMES[args.game][2],
+           "eval_episodes": grpo["eval_episodes"], "eval_temperature": grpo["eval_temperature"],
+           "out": Path(args.out).name, "runs": []}
+    if args.game == "gomoku":
+        res["random_player_win_rate"] = random_player_win_rate(grpo["env_args"])
     for seed in args.seeds:
-        res["runs"].append(run_seed(seed, args.demos, not args.no_base))
+        res["runs"].append(run_seed(args.game, seed, args.demos, not args.no_base))
         print(json.dumps({k: v for k, v in res["runs"][-1].items() if k != "train_reward"}), flush=True)
         res["summary"] = summary(res["runs"])
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")  # each seed as it lands

@@ -360,12 +360,15 @@ def test_game_demonstrations_are_legal_random_train_games_and_the_table_reads_th
     runs = [run, {**run, "seed": 1, "win_after": 0.25}]
     res = {"date": "d", "commit": "0123456789", "machine": "m", "command": "c", "out": "t.json",
            "eval_episodes": 32, "eval_temperature": 1.0, "random_player_win_rate": 0.578, "runs": runs,
+           "game": "gomoku", "configs": ["examples/gomoku_sft.toml", "examples/gomoku_vs_random.toml"],
            "summary": gs.summary(runs)}
     table = gs.report(res)
     assert "| 0 | 0.000 | 0.500 | 0.750 | 0.400 -> 0.800 | 100 + 900 s |" in table
     assert "| mean +- sd (2 seeds) | 0.000 +- 0.000 | 0.500 +- 0.000 | 0.500 +- 0.354 |" in table
     assert "sampled games (temperature 1)" in table and "wins 0.58 of 1,000" in table
     assert res["summary"]["gain_over_base"]["mean"] == 0.5
+    guess = gs.report({**res, "game": "guess-number", "configs": ["a.toml", "b.toml"]})
+    assert "guess-number (b.toml)" in guess and "binary search" in guess and "1,000" not in guess
 
 
 def test_selfplay_demonstrations_are_each_seats_side_as_the_coordinator_shows_it():
@@ -401,3 +404,22 @@ def test_selfplay_demonstrations_are_each_seats_side_as_the_coordinator_shows_it
     table = sp.report(res)
     assert "| 0 | 0.500 / 0.400 | 0.800 / 0.600 | 0.450 -> 0.700 | 0.000 -> 0.100 | 1100 s |" in table
     assert "(gain 0.250)" in table
+
+
+def test_guess_number_demonstrations_are_binary_searches_for_train_targets():
+    """bench/game_seeds.py --game guess-number: each cold-start game halves the numbers
+    still possible after every reply, ends on "Correct!" within the env's guesses, and
+    its target is a train-split target."""
+    from opentinker.services.envhost.envs.guess_number import split_of
+
+    gs = _load("game_seeds")
+    rows = gs.demonstrations(30, 1, {"n": 100, "max_turns": 7}, "guess-number")
+    targets = [int(r["messages"][-1]["content"]) for r in rows]
+    assert len(set(targets)) == 30 and all(split_of(100, t) == "train" for t in targets)
+    for r in rows:
+        guesses = [int(m["content"]) for m in r["messages"][2::2]]
+        assert len(guesses) <= 7 and guesses[0] == 50
+        lo, hi = 1, 100
+        for g, reply in zip(guesses, r["messages"][3::2]):
+            assert g == (lo + hi) // 2
+            lo, hi = (g + 1, hi) if reply["content"].startswith("Higher") else (lo, g - 1)
