@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -129,8 +128,9 @@ def main() -> None:
         run(["--child", "sample", "--steps", str(args.steps), "--episodes-file", str(eps)])
         res = {d: json.loads(run(["--child", d, "--episodes-file", str(eps), "--reps", str(args.reps)]))
                for d in ("float32", "bfloat16")}
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
-           "command": " ".join(sys.argv), "sampler": "vLLM float32", "steps_sampled": args.steps, "learner": res}
+    from provenance import provenance
+
+    out = {**provenance(), "sampler": "vLLM float32", "steps_sampled": args.steps, "learner": res}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     for d, r in res.items():
         print(f"{d:>9}: mismatch_kl {r['mismatch_kl']:.2e}, |dlogp| mean {r['abs_logp_diff_mean']:.4f} "

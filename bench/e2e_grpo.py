@@ -64,7 +64,6 @@ import asyncio
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -496,8 +495,9 @@ def main() -> None:
         systems.update(got)
         breakdown.update(bd)
     systems = {k: systems[k] for k in SYSTEMS if k in systems}
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "versions": _versions(),
+    from provenance import provenance
+
+    out = {**provenance(), "versions": _versions(),
            "config": os.path.relpath(args.config, ROOT), "sets": args.set, "steps": steps,
            "threshold": R.THRESHOLD, "window": R.WINDOW, "eval_episodes": args.eval_episodes,
            "systems": systems, "ratios": R.ratio_table(systems), "step_breakdown": breakdown, "bus": bus,

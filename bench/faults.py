@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import signal
 import sys
@@ -217,9 +216,9 @@ def main() -> int:
     if len(set(at)) != len(ORDER):
         p.error(f"--kill-at needs {len(ORDER)} distinct steps, got {at}")
     kill_at = dict(zip(at, ORDER))
-    out: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
-                 "config": os.path.relpath(args.config, ROOT), "spec": spec, "kill_at_step": kill_at,
-                 "date": time.strftime("%Y-%m-%d")}
+    from provenance import provenance
+
+    out: dict = {**provenance(), "config": os.path.relpath(args.config, ROOT), "spec": spec, "kill_at_step": kill_at}
     if not args.no_baseline:
         out["undisturbed"] = asyncio.run(run_job(fresh_home("faults-undisturbed"), spec, None))
         print(json.dumps({k: v for k, v in out["undisturbed"].items() if k != "reward_per_step"}), flush=True)

@@ -45,10 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -219,6 +216,8 @@ def summary(runs: list[dict]) -> dict:
 
 def report(res: dict) -> str:
     """The markdown table of a results file (the README's numbers)."""
+    from provenance import commit_label
+
     from main_job_seeds import fmt
 
     s = res["summary"]
@@ -244,7 +243,7 @@ def report(res: dict) -> str:
         held = "opponent seeds training never plays"
         demos = (f"random legal moves; that player wins {res['random_player_win_rate']:.2f} of 1,000 games "
                  "against `random`")
-    head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
+    head = (f"{res['date']}, {commit_label(res)}, {res['machine']}; `{res['command']}` "
             f"(`bench/results/{Path(res['out']).name}`). {game} ({res['configs'][1]}); held-out: {measure} in "
             f"the learner's {res['eval_episodes']} evaluation games of split `test`, {held}; cold start on "
             f"scripted train-split games of {demos} ({res['runs'][0]['demos']} made, the SFT config's steps x "
@@ -254,6 +253,7 @@ def report(res: dict) -> str:
 
 def main() -> None:
     from main_job_seeds import write_readme
+    from provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--game", choices=sorted(GAMES), default="guess-number")
@@ -270,10 +270,8 @@ def main() -> None:
         if args.readme:
             write_readme(Path(args.readme), text, MARKER)
         return
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     grpo = load(GAMES[args.game][1])
-    res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
-           "commit": commit, "command": "bench/game_seeds.py " + " ".join(sys.argv[1:]),
+    res = {**provenance(),
            "game": args.game, "configs": list(GAMES[args.game][:2]), "metric": GAMES[args.game][2],
            "eval_episodes": grpo["eval_episodes"], "eval_temperature": grpo["eval_temperature"],
            "out": Path(args.out).name, "runs": []}

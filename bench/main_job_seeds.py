@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -117,6 +116,8 @@ def fmt(ms: dict, digits: int = 3) -> str:
 
 def report(res: dict) -> str:
     """The markdown table of a results file (the README's numbers)."""
+    from provenance import commit_label
+
     s = res["summary"]
     rows = ["| seed | held-out before | held-out after | train reward, first 5 -> last 5 steps | +0.25 reached | "
             "`opentinker train --up` (stack start included) |",
@@ -129,7 +130,7 @@ def report(res: dict) -> str:
                 f"{fmt(s['heldout_after'])} | {fmt(s['first5'])} -> {fmt(s['last5'])} | "
                 f"{fmt(s['bar_s'], 0)} s; {s['met_bar']} of {len(res['runs'])} within {BAR_S:.0f} s | "
                 f"{fmt(s['wall_s'], 0)} s |")
-    head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
+    head = (f"{res['date']}, {commit_label(res)}, {res['machine']}; `{res['command']}` "
             f"(`bench/results/{Path(res['out']).name}`). Held-out: greedy accuracy on the learner's "
             f"{res['eval_episodes']} evaluation episodes of split `test`, problems training never shows.")
     return head + "\n\n" + "\n".join(rows) + "\n"
@@ -147,6 +148,8 @@ def write_readme(readme: Path, text: str, marker: str = "main_job_seeds") -> Non
 
 
 def main() -> None:
+    from provenance import provenance
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--config", default="examples/arith_grpo.toml")
@@ -173,9 +176,8 @@ def main() -> None:
     for seed in args.seeds:
         runs.append(run_seed(args.config, seed, args.set))
         print(json.dumps({k: v for k, v in runs[-1].items() if k not in ("train_reward",)}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
-           "commit": commit, "command": "bench/main_job_seeds.py " + " ".join(sys.argv[1:]), "config": args.config,
+    res = {**provenance(),
+           "config": args.config,
            "sets": args.set, "eval_episodes": eval_episodes, "out": Path(args.out).name,
            "bar": {"reward_over_first5": BAR, "window": WINDOW, "within_s": BAR_S},
            "runs": runs, "summary": summary(runs)}

@@ -24,12 +24,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +82,8 @@ def probe(engine, name: str, problems: int, samples: int) -> dict:
 
 
 def main() -> None:
+    from provenance import provenance
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", choices=sorted(CANDIDATES), default=list(CANDIDATES))
     ap.add_argument("--problems", type=int, default=12)
@@ -101,9 +99,7 @@ def main() -> None:
     for name in args.only:
         results.append(probe(engine, name, args.problems, args.samples))
         print(json.dumps(results[-1]), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
-           "commit": commit, "command": "bench/multiturn_probe.py " + " ".join(sys.argv[1:]),
+    out = {**provenance(),
            "model": "SmolLM2-135M-Instruct", "engine": "transformers, float32", "candidates": results}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -188,10 +187,10 @@ def main() -> None:
     sync = m[f"gen_{cores}t"] + m[f"train_{cores}t"]
     floor = max(m[f"gen_{cores}t"], m[f"train_{cores}t"], (m["gen_1t"] + m["train_1t"]) / cores)
     split = max(m.get("gen_concurrent_core0", 0.0), m.get("train_concurrent_rest", 0.0)) or None
+    from provenance import provenance
+
     res = {
-        "machine": f"{platform.processor() or platform.machine()}, {cores} cores",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(sys.argv),
+        **provenance(),
         "seconds": m,
         "sync_step_s": sync,
         "async_floor_s": floor,

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -125,9 +124,9 @@ def main() -> None:
         runs = asyncio.run(drive(stack.nats_url, specs, warmup, args.timeout))
     finally:
         stack.stop()
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
-           "config": os.path.relpath(args.config, ROOT), "sets": args.set, "steps": args.steps,
+    from provenance import provenance
+
+    out = {**provenance(), "config": os.path.relpath(args.config, ROOT), "sets": args.set, "steps": args.steps,
            "runs": runs, "table": table(runs)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

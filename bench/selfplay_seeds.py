@@ -38,9 +38,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -205,6 +203,8 @@ def summary(runs: list[dict]) -> dict:
 
 def report(res: dict) -> str:
     """The markdown table of a results file (the README's numbers)."""
+    from provenance import commit_label
+
     from main_job_seeds import fmt
 
     s = res["summary"]
@@ -226,7 +226,7 @@ def report(res: dict) -> str:
                 f"(gain {fmt(s['gain'])}) | {fmt(s['first5'])} -> {fmt(s['last5'])} | {fmt(s['total_s'], 0)} s |")
     t = res.get("eval_temperature", 0.0)
     measure = "greedy games" if not t else f"sampled games (temperature {t:g})"
-    head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
+    head = (f"{res['date']}, {commit_label(res)}, {res['machine']}; `{res['command']}` "
             f"(`bench/results/{Path(res['out']).name}`). Held-out: {res['eval_episodes']} {measure} of split "
             f"`test` per evaluation, opening positions training never plays. Start: the cold start on "
             f"scripted games of random legal moves; trained: start + {res['steps']} steps of self-play GRPO; "
@@ -236,6 +236,7 @@ def report(res: dict) -> str:
 
 def main() -> None:
     from main_job_seeds import write_readme
+    from provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -250,10 +251,8 @@ def main() -> None:
         if args.readme:
             write_readme(Path(args.readme), text, MARKER)
         return
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     grpo = load(GRPO, {})
-    res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
-           "commit": commit, "command": "bench/selfplay_seeds.py " + " ".join(sys.argv[1:]),
+    res = {**provenance(),
            "configs": [SFT, GRPO], "eval_episodes": grpo["eval_episodes"], "steps": grpo["steps"],
            "eval_temperature": grpo["eval_temperature"], "out": Path(args.out).name, "runs": []}
     for seed in args.seeds:

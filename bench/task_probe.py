@@ -26,12 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +101,8 @@ def job_curve(job_id: str, data_dir: Path) -> dict:
 
 
 def main() -> None:
+    from provenance import provenance
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--problems", type=int, default=100)
     ap.add_argument("--samples", type=int, default=4)
@@ -121,9 +119,8 @@ def main() -> None:
     for env_args in CANDIDATES:
         results.append(probe(engine, env_args, args.problems, args.samples))
         print(json.dumps(results[-1]), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
-           "commit": commit, "command": " ".join(sys.argv), "model": "SmolLM2-135M-Instruct",
+    out = {**provenance(),
+           "model": "SmolLM2-135M-Instruct",
            "candidates": results, "jobs": [job_curve(j, settings.log_dir) for j in args.job]}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 

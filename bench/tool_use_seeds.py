@@ -41,10 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -153,6 +150,8 @@ def probe_base(path: Path = ROOT / "bench" / "results" / "multiturn_probe.json")
 
 def report(res: dict) -> str:
     """The markdown table of a results file (the README's numbers)."""
+    from provenance import commit_label
+
     from main_job_seeds import fmt
 
     s = res["summary"]
@@ -173,7 +172,7 @@ def report(res: dict) -> str:
     measure = "greedy accuracy" if not t else f"accuracy of sampled episodes (temperature {t:g}, pass@1)"
     base = "" if any(r["base_heldout"] is not None for r in res["runs"]) else (
         " The base model was not evaluated in this run (`--no-base`)" + probe_base())
-    head = (f"{res['date']}, commit {res['commit'][:7]}, {res['machine']}; `{res['command']}` "
+    head = (f"{res['date']}, {commit_label(res)}, {res['machine']}; `{res['command']}` "
             f"(`bench/results/{Path(res['out']).name}`). Held-out: {measure} on the learner's "
             f"{res['eval_episodes']} evaluation episodes of split `test`, products training never shows; "
             f"cold start on scripted train-split demonstrations ({res['runs'][0]['demos']} made, the SFT "
@@ -185,6 +184,7 @@ def report(res: dict) -> str:
 
 def main() -> None:
     from main_job_seeds import write_readme
+    from provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -207,9 +207,7 @@ def main() -> None:
     for seed in args.seeds:
         runs.append(run_seed(seed, args.demos, args.demo_turns, not args.no_base))
         print(json.dumps({k: v for k, v in runs[-1].items() if k != "train_reward"}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    res = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M"),
-           "commit": commit, "command": "bench/tool_use_seeds.py " + " ".join(sys.argv[1:]),
+    res = {**provenance(),
            "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"],
            "eval_temperature": load(GRPO)["eval_temperature"], "out": Path(args.out).name,
            "runs": runs, "summary": summary(runs)}

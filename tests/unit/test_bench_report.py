@@ -423,3 +423,20 @@ def test_guess_number_demonstrations_are_binary_searches_for_train_targets():
         for g, reply in zip(guesses, r["messages"][3::2]):
             assert g == (lo + hi) // 2
             lo, hi = (g + 1, hi) if reply["content"].startswith("Higher") else (lo, g - 1)
+
+
+def test_a_results_record_names_its_commit_and_whether_the_tree_differed(monkeypatch):
+    """bench/provenance.py: every seeds script's record starts with it; a record made
+    from a working tree with uncommitted changes says so in its table's head."""
+    prov = _load("provenance")
+    calls = {"rev-parse": "0123456789abcdef", "status": ""}
+    monkeypatch.setattr(prov, "git", lambda *a: calls[a[0]])
+    rec = prov.provenance([str(prov.ROOT / "bench" / "x.py"), "--seeds", "0"])
+    assert rec["commit"] == "0123456789abcdef" and rec["dirty"] is False
+    assert rec["command"] == "bench/x.py --seeds 0" and {"machine", "python", "date"} <= set(rec)
+    calls["status"] = " M services/learner/loss.py"
+    assert prov.provenance(["bench/x.py"])["dirty"] is True
+    assert prov.commit_label({"commit": "0123456789", "dirty": True}) == "commit 0123456 (uncommitted changes)"
+    assert prov.commit_label({"commit": "0123456789"}) == "commit 0123456"
+    for name in ("main_job_seeds", "tool_use_seeds", "game_seeds", "selfplay_seeds"):
+        assert "**provenance()" in (prov.ROOT / "bench" / f"{name}.py").read_text(), name
