@@ -77,16 +77,24 @@ def game_results(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def seat_results(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """`win_rate/<seat>`, `draw_rate/<seat>`, `loss_rate/<seat>` of a multi-agent game's
-    episodes whose env info reports a `result`: the seat won when the result is "win"
-    or names the seat (gomoku-duel names the winner), drew on "draw", lost otherwise.
-    {} for single-agent episodes or when no episode reports a result."""
+    """Per seat of a multi-agent game whose env info reports a `result`:
+    `win_rate/<seat>`, `draw_rate/<seat>`, `loss_rate/<seat>` over its episodes whose
+    result says who won (the seat won on "win" or its own name, as gomoku-duel names the
+    winner; lost on "loss" or another seat's name; "draw"), and `result_rate/<result>`
+    for every result the games reported (e.g. negotiation's "deal" and "no_deal"), per
+    game. {} for single-agent episodes or when no episode reports a result."""
+    seated = [t for t in trajs if t.agent and "result" in t.env_info]
+    seats = {t.agent for t in seated}
     by: dict[str, list[str]] = {}
-    for t in trajs:
-        if t.agent and "result" in t.env_info:
-            r = t.env_info["result"]
+    for t in seated:
+        r = t.env_info["result"]
+        if r in ("win", "draw", "loss") or r in seats:
             by.setdefault(t.agent, []).append("win" if r in ("win", t.agent) else "draw" if r == "draw" else "loss")
-    return {f"{k}_rate/{a}": rs.count(k) / len(rs) for a, rs in sorted(by.items()) for k in ("win", "draw", "loss")}
+    out = {f"{k}_rate/{a}": rs.count(k) / len(rs) for a, rs in sorted(by.items()) for k in ("win", "draw", "loss")}
+    games = {(t.game_id or t.episode_id): str(t.env_info["result"]) for t in seated}
+    for r in sorted(set(games.values())):
+        out[f"result_rate/{r}"] = sum(x == r for x in games.values()) / len(games)
+    return out
 
 
 def seat_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:

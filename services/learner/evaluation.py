@@ -16,7 +16,8 @@ counts a lost run's.
 
 Metric keys: schemas.stats.episode_stats (reward_mean, reward_std, correct_frac,
 episodes, episode_len_mean, gen_tokens_mean, turns_mean, error_frac), win/draw/loss_rate
-for games, win/draw/loss_rate/<seat> for multi-agent games, reward_se and correct_se
+for games, win/draw/loss_rate/<seat>, result_rate/<result> and reward_mean/<seat> for
+multi-agent games, reward_se and correct_se
 (standard errors of the means), off_version_frac (the episodes not sampled by exactly
 the evaluated version: the rollout worker pins an evaluation's requests to it,
 services/rollout/policy.py event_at), eval_time_s. The Metrics message's `step` is the
@@ -32,7 +33,7 @@ import time
 import msgspec
 
 from opentinker.schemas import JobSpec, Metrics, RolloutRequest, Trajectory
-from opentinker.schemas.stats import derived_seed, episode_stats, game_results, seat_results
+from opentinker.schemas.stats import derived_seed, episode_stats, game_results, seat_results, seat_stats
 
 EVAL_SPLIT_METRICS = "eval"
 
@@ -51,7 +52,8 @@ def standard_error(xs: list[float]) -> float:
 
 def eval_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     """An evaluation's metrics: episode_stats, game_results (win/draw/loss rates, for
-    games), seat_results (the same per seat, for multi-agent games), `reward_se` and
+    games), seat_results and seat_stats (per seat win/draw/loss rates, result rates and
+reward_mean/<seat>, for multi-agent games), `reward_se` and
     `correct_se` (standard_error), and `off_version_frac`, the
     fraction of the job's own episodes with a turn sampled by another policy version
     than `version` (0 when the rollout honours the pin; an opponent's seat is not
@@ -59,6 +61,7 @@ def eval_stats(trajs: list[Trajectory], version: int) -> dict[str, float]:
     values = episode_stats(trajs)
     values.update(game_results(trajs))
     values.update(seat_results(trajs))
+    values.update(seat_stats(trajs))
     values["reward_se"] = standard_error([t.reward for t in trajs])
     values["correct_se"] = standard_error([float(t.correct) for t in trajs])
     own = [t for t in trajs if not t.policy_of and t.turns]

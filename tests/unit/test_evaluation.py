@@ -102,7 +102,8 @@ def test_a_multi_agent_evaluation_reports_each_seats_win_rate():
 
     def seat(i: int, agent: str, result: str, policy_of: str = "") -> Trajectory:
         t = traj(f"r{i}", f"e{i}-{agent}", 1.0 if result == agent else -1.0)
-        return msgspec.structs.replace(t, agent=agent, policy_of=policy_of, env_info={"result": result})
+        return msgspec.structs.replace(t, agent=agent, policy_of=policy_of, env_info={"result": result},
+                                       game_id=f"g{i}")
 
     games = ["black", "black", "white", "draw"]  # gomoku-duel's result names the winning seat
     trajs = [seat(i, a, r, "champion" if a == "white" else "") for i, r in enumerate(games) for a in ("black", "white")]
@@ -110,5 +111,12 @@ def test_a_multi_agent_evaluation_reports_each_seats_win_rate():
     assert values["win_rate/black"] == 0.5 and values["win_rate/white"] == 0.25
     assert values["draw_rate/black"] == values["draw_rate/white"] == 0.25
     assert values["loss_rate/white"] == 0.5
+    assert values["result_rate/black"] == 0.5 and values["result_rate/draw"] == 0.25
+    assert values["reward_mean/black"] == 0.0  # +1, +1, -1, -1 (a draw scores -1 in this toy)
+    # negotiation's results say whether a deal was made, not who won: rates per result only
+    deals = eval_stats([seat(i, a, r) for i, r in enumerate(["deal", "no_deal", "deal", "deal"])
+                        for a in ("alice", "bob")], 0)
+    assert deals["result_rate/deal"] == 0.75 and deals["result_rate/no_deal"] == 0.25
+    assert not any(k.startswith(("win_rate/", "loss_rate/")) for k in deals)
     single = eval_stats([msgspec.structs.replace(traj("r", "e", 1.0), env_info={"result": "win"})], 0)
     assert single["win_rate"] == 1.0 and not any("/" in k for k in single)
