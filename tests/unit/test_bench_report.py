@@ -400,10 +400,17 @@ def test_selfplay_demonstrations_are_each_seats_side_as_the_coordinator_shows_it
            "start_score": 0.45, "trained_score": 0.7, "first5": 0.0, "last5": 0.1,
            "wall_s": {"sft": 100.0, "rl": 800.0, "vs-black": 100.0, "vs-white": 100.0}}
     res = {"date": "d", "commit": "0123456789", "machine": "m", "command": "c", "out": "t.json",
-           "eval_episodes": 32, "eval_temperature": 1.0, "steps": 10, "runs": [run], "summary": sp.summary([run])}
+           "eval_episodes": 32, "eval_temperature": 1.0, "steps": 10, "runs": [run], "summary": sp.summary([run]),
+           "game": "gomoku-duel", "configs": ["a.toml", "b.toml"]}
     table = sp.report(res)
     assert "| 0 | 0.500 / 0.400 | 0.800 / 0.600 | 0.450 -> 0.700 | 0.000 -> 0.100 | 1100 s |" in table
-    assert "(gain 0.250)" in table
+    assert "(gain 0.250)" in table and "black / white" in table and "win rate averaged" in table
+    # negotiation: the score is the deal rate, whichever seat the trained policy takes
+    assert sp.seat_scores({"result_rate/deal": 0.25, "reward_mean/alice": 0.1}, "negotiation") == \
+        {"alice": 0.25, "bob": 0.25}
+    deals = sp.report({**res, "game": "negotiation", "runs": [{**run, "start_vs_start": {"alice": 0.2, "bob": 0.2},
+                                                               "trained_vs_start": {"alice": 0.5, "bob": 0.4}}]})
+    assert "deal rate, alice / bob" in deals and "| 0 | 0.200 / 0.200 | 0.500 / 0.400 |" in deals
 
 
 def test_guess_number_demonstrations_are_binary_searches_for_train_targets():
