@@ -18,8 +18,10 @@ DeepSeek-R1, arXiv 2501.12948 §2.3.1) a supervised fine-tuning on scripted
 demonstrations comes first, rendered and answered by the env's own code, on
 train-split problems only:
 - guess-number: binary search (guess the middle of the numbers still possible), which
-  always wins within 7 guesses; four SFT steps of 16 games teach the format and roughly
-  the search, and GRPO trains the policy's own sampled games from there;
+  always wins within 7 guesses; eight SFT steps of 16 games teach the format and roughly
+  the search (four left it loose: held-out 0.16, then 0.22 after 8 GRPO steps, against
+  the base model's 0.06, seed 0 on 2026-11-28), and GRPO trains the policy's own sampled
+  games from there;
 - gomoku: X plays a uniformly random empty cell each turn (the rules, no strategy: such
   a player wins 58% of 1,000 games against `random`). Measured on 2026-11-28, one seed:
   a gomoku game is ~800 tokens (the board is in every message), so the cold start took
@@ -258,7 +260,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--game", choices=sorted(GAMES), default="guess-number")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--demos", type=int, default=64, help="scripted games for the cold start")
+    ap.add_argument("--demos", type=int, default=128, help="scripted games for the cold start")
     ap.add_argument("--no-base", action="store_true", help="skip the base model's evaluation")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
