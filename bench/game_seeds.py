@@ -254,38 +254,25 @@ def report(res: dict) -> str:
 
 
 def main() -> None:
-    from main_job_seeds import write_readme
+    from main_job_seeds import report_only, run_seeds, seeds_arguments
     from provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    seeds_arguments(ap, OUT)
     ap.add_argument("--game", choices=sorted(GAMES), default="guess-number")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--demos", type=int, default=128, help="scripted games for the cold start")
     ap.add_argument("--no-base", action="store_true", help="skip the base model's evaluation")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
-    ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
     args = ap.parse_args()
-    if args.report:
-        text = report(json.loads(Path(args.out).read_text()))
-        print(text)
-        if args.readme:
-            write_readme(Path(args.readme), text, MARKER)
+    if report_only(args, report, MARKER):
         return
     grpo = load(GAMES[args.game][1])
-    res = {**provenance(),
-           "game": args.game, "configs": list(GAMES[args.game][:2]), "metric": GAMES[args.game][2],
+    res = {**provenance(), "game": args.game, "configs": list(GAMES[args.game][:2]), "metric": GAMES[args.game][2],
            "eval_episodes": grpo["eval_episodes"], "eval_temperature": grpo["eval_temperature"],
-           "out": Path(args.out).name, "runs": []}
+           "out": Path(args.out).name}
     if args.game == "gomoku":
         res["random_player_win_rate"] = random_player_win_rate(grpo["env_args"])
-    for seed in args.seeds:
-        res["runs"].append(run_seed(args.game, seed, args.demos, not args.no_base))
-        print(json.dumps({k: v for k, v in res["runs"][-1].items() if k != "train_reward"}), flush=True)
-        res["summary"] = summary(res["runs"])
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")  # each seed as it lands
-    print(report(res))
-
+    run_seeds(res, args.seeds, lambda seed: run_seed(args.game, seed, args.demos, not args.no_base),
+              summary, report, args.out)
 
 if __name__ == "__main__":
     main()

@@ -147,24 +147,51 @@ def write_readme(readme: Path, text: str, marker: str = "main_job_seeds") -> Non
     readme.write_text(f"{before}{start}\n{text}{end}{after}")
 
 
+def seeds_arguments(ap: argparse.ArgumentParser, out: Path) -> None:
+    """The options every seeds script shares: --seeds, --out, --report, --readme."""
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--out", default=str(out))
+    ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
+    ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
+
+
+def report_only(args: argparse.Namespace, report, marker: str) -> bool:
+    """With --report: print `report` of the --out file and, with --readme, write it between
+    the README's `marker` markers. True when it did (the script runs nothing then)."""
+    if not args.report:
+        return False
+    text = report(json.loads(Path(args.out).read_text()))
+    print(text)
+    if args.readme:
+        write_readme(Path(args.readme), text, marker)
+    return True
+
+
+def run_seeds(res: dict, seeds: list[int], run_one, summary, report, out: str) -> None:
+    """`run_one(seed)` for each seed into res["runs"]; after each, print its record (its
+    curves left out), update res["summary"] and write `out`, so a stopped run keeps the
+    seeds it finished; then print the table."""
+    res.setdefault("runs", [])
+    for seed in seeds:
+        res["runs"].append(run_one(seed))
+        print(json.dumps({k: v for k, v in res["runs"][-1].items() if k not in ("train_reward", "evals")}),
+              flush=True)
+        res["summary"] = summary(res["runs"])
+        Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    print(report(res))
+
+
 def main() -> None:
     from provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    seeds_arguments(ap, OUT)
     ap.add_argument("--config", default="examples/arith_grpo.toml")
     ap.add_argument("--set", action="append", default=[], help="a spec override for every seed's job")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
-    ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
     ap.add_argument("--marker", default="main_job_seeds",
                     help="the README markers' name: <!-- NAME --> ... <!-- /NAME -->")
     args = ap.parse_args()
-    if args.report:
-        text = report(json.loads(Path(args.out).read_text()))
-        print(text)
-        if args.readme:
-            write_readme(Path(args.readme), text, args.marker)
+    if report_only(args, report, args.marker):
         return
     import tomllib
 
@@ -172,18 +199,9 @@ def main() -> None:
     for s in args.set:
         if s.startswith("eval_episodes="):
             eval_episodes = int(s.split("=", 1)[1])
-    runs = []
-    for seed in args.seeds:
-        runs.append(run_seed(args.config, seed, args.set))
-        print(json.dumps({k: v for k, v in runs[-1].items() if k not in ("train_reward",)}), flush=True)
-    res = {**provenance(),
-           "config": args.config,
-           "sets": args.set, "eval_episodes": eval_episodes, "out": Path(args.out).name,
-           "bar": {"reward_over_first5": BAR, "window": WINDOW, "within_s": BAR_S},
-           "runs": runs, "summary": summary(runs)}
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(report(res))
-
+    res = {**provenance(), "config": args.config, "sets": args.set, "eval_episodes": eval_episodes,
+           "out": Path(args.out).name, "bar": {"reward_over_first5": BAR, "window": WINDOW, "within_s": BAR_S}}
+    run_seeds(res, args.seeds, lambda seed: run_seed(args.config, seed, args.set), summary, report, args.out)
 
 if __name__ == "__main__":
     main()

@@ -263,35 +263,23 @@ def report(res: dict) -> str:
 
 
 def main() -> None:
-    from main_job_seeds import write_readme
+    from main_job_seeds import report_only, run_seeds, seeds_arguments
     from provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    seeds_arguments(ap, OUT)
     ap.add_argument("--game", choices=sorted(GAMES), default="negotiation")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--demos", type=int, default=64, help="gomoku-duel: scripted games for the cold start")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
-    ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
     args = ap.parse_args()
-    if args.report:
-        text = report(json.loads(Path(args.out).read_text()))
-        print(text)
-        if args.readme:
-            write_readme(Path(args.readme), text, MARKER)
+    if report_only(args, report, MARKER):
         return
     g = GAMES[args.game]
     grpo = load(g["grpo"], {})
     res = {**provenance(), "game": args.game, "configs": [c for c in (g["sft"], g["grpo"]) if c],
            "eval_episodes": grpo["eval_episodes"], "steps": grpo["steps"],
-           "eval_temperature": grpo["eval_temperature"], "out": Path(args.out).name, "runs": []}
-    for seed in args.seeds:
-        res["runs"].append(asyncio.run(run_seed_async(args.game, seed, args.demos)))
-        print(json.dumps({k: v for k, v in res["runs"][-1].items() if k not in ("train_reward", "evals")}), flush=True)
-        res["summary"] = summary(res["runs"])
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")  # each seed as it lands
-    print(report(res))
-
+           "eval_temperature": grpo["eval_temperature"], "out": Path(args.out).name}
+    run_seeds(res, args.seeds, lambda seed: asyncio.run(run_seed_async(args.game, seed, args.demos)),
+              summary, report, args.out)
 
 if __name__ == "__main__":
     main()

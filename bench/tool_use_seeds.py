@@ -183,37 +183,23 @@ def report(res: dict) -> str:
 
 
 def main() -> None:
-    from main_job_seeds import write_readme
+    from main_job_seeds import report_only, run_seeds, seeds_arguments
     from provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    seeds_arguments(ap, OUT)
     ap.add_argument("--demos", type=int, default=64, help="scripted demonstrations for the cold start")
     ap.add_argument("--demo-turns", type=int, choices=(1, 2), default=2,
                     help="1: demonstrate the tool call only; 2: the call, its output and the answer")
     ap.add_argument("--no-base", action="store_true",
                     help="skip the base model's evaluation (bench/results/multiturn_probe.json has it)")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
-    ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
     args = ap.parse_args()
-    if args.report:
-        text = report(json.loads(Path(args.out).read_text()))
-        print(text)
-        if args.readme:
-            write_readme(Path(args.readme), text, MARKER)
+    if report_only(args, report, MARKER):
         return
-    runs = []
-    for seed in args.seeds:
-        runs.append(run_seed(seed, args.demos, args.demo_turns, not args.no_base))
-        print(json.dumps({k: v for k, v in runs[-1].items() if k != "train_reward"}), flush=True)
-    res = {**provenance(),
-           "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"],
-           "eval_temperature": load(GRPO)["eval_temperature"], "out": Path(args.out).name,
-           "runs": runs, "summary": summary(runs)}
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(report(res))
-
+    res = {**provenance(), "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"],
+           "eval_temperature": load(GRPO)["eval_temperature"], "out": Path(args.out).name}
+    run_seeds(res, args.seeds, lambda seed: run_seed(seed, args.demos, args.demo_turns, not args.no_base),
+              summary, report, args.out)
 
 if __name__ == "__main__":
     main()
