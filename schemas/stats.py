@@ -68,9 +68,11 @@ def lag_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def game_results(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """`win_rate`, `draw_rate`, `loss_rate` over the episodes whose env info reports a
-    `result` (games); {} when none does."""
-    results = [t.env_info.get("result") for t in trajs if "result" in t.env_info]
+    """`win_rate`, `draw_rate`, `loss_rate` over the single-agent episodes whose env info
+    reports a `result` of "win", "draw" or "loss" (a game against a built-in opponent);
+    {} when none does (a multi-agent game's seats: seat_results)."""
+    results = [t.env_info["result"] for t in trajs
+               if not t.agent and t.env_info.get("result") in ("win", "draw", "loss")]
     if not results:
         return {}
     return {f"{r}_rate": results.count(r) / len(results) for r in ("win", "draw", "loss")}
