@@ -113,4 +113,6 @@ async def test_self_play_jobs_log_both_seats_and_plot_per_agent_rewards(services
                                                      ("white", champ, 0), ("white", champ, 1)]
     evals = [m for m in got_metrics["league"] if m.split == "eval"]
     assert [m.step for m in evals] == [0, 1]
-    assert all(f"win_rate/{seat}" in m.values for m in evals for seat in ("black", "white"))
+    # per seat: its reward; the games' results (a 3-move game may end unfinished: "ongoing")
+    assert all(f"reward_mean/{seat}" in m.values for m in evals for seat in ("black", "white"))
+    assert all(sum(v for k, v in m.values.items() if k.startswith("result_rate/")) == 1.0 for m in evals)
