@@ -272,7 +272,7 @@ def main() -> None:
     if args.game == "gomoku":
         res["random_player_win_rate"] = random_player_win_rate(grpo["env_args"])
     run_seeds(res, args.seeds, lambda seed: run_seed(args.game, seed, args.demos, not args.no_base),
-              summary, report, args.out)
+              summary, report, args.out, args.append)
 
 if __name__ == "__main__":
     main()

@@ -153,6 +153,8 @@ def seeds_arguments(ap: argparse.ArgumentParser, out: Path) -> None:
     ap.add_argument("--out", default=str(out))
     ap.add_argument("--report", action="store_true", help="print the table of --out; run nothing")
     ap.add_argument("--readme", help="with --report: write the table into this README between its markers")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the seeds already in --out and add these (each seed's record names its commit)")
 
 
 def report_only(args: argparse.Namespace, report, marker: str) -> bool:
@@ -167,13 +169,21 @@ def report_only(args: argparse.Namespace, report, marker: str) -> bool:
     return True
 
 
-def run_seeds(res: dict, seeds: list[int], run_one, summary, report, out: str) -> None:
-    """`run_one(seed)` for each seed into res["runs"]; after each, print its record (its
-    curves left out), update res["summary"] and write `out`, so a stopped run keeps the
-    seeds it finished; then print the table."""
+def run_seeds(res: dict, seeds: list[int], run_one, summary, report, out: str, append: bool = False) -> None:
+    """`run_one(seed)` for each seed into res["runs"], each record stamped with res's
+    commit and dirty flag; after each, print the record (its curves left out), update
+    res["summary"] and write `out`, so a stopped run keeps the seeds it finished; then
+    print the table. With `append`, the runs already in `out` come first (stamped with
+    that file's commit where they have none) and res["appended"] lists the earlier
+    files' commands."""
     res.setdefault("runs", [])
+    if append and Path(out).exists():
+        old = json.loads(Path(out).read_text())
+        res["runs"] = [{"commit": old.get("commit"), "dirty": old.get("dirty"), **r} for r in old["runs"]
+                       if r["seed"] not in seeds] + res["runs"]
+        res["appended"] = [*old.get("appended", []), {"command": old.get("command"), "commit": old.get("commit")}]
     for seed in seeds:
-        res["runs"].append(run_one(seed))
+        res["runs"].append({"commit": res.get("commit"), "dirty": res.get("dirty"), **run_one(seed)})
         print(json.dumps({k: v for k, v in res["runs"][-1].items() if k not in ("train_reward", "evals")}),
               flush=True)
         res["summary"] = summary(res["runs"])
@@ -201,7 +211,8 @@ def main() -> None:
             eval_episodes = int(s.split("=", 1)[1])
     res = {**provenance(), "config": args.config, "sets": args.set, "eval_episodes": eval_episodes,
            "out": Path(args.out).name, "bar": {"reward_over_first5": BAR, "window": WINDOW, "within_s": BAR_S}}
-    run_seeds(res, args.seeds, lambda seed: run_seed(args.config, seed, args.set), summary, report, args.out)
+    run_seeds(res, args.seeds, lambda seed: run_seed(args.config, seed, args.set), summary, report, args.out,
+              args.append)
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,17 @@ def provenance(argv: list[str] | None = None) -> dict:
 
 
 def commit_label(res: dict) -> str:
-    """"commit 0123abc", with " (uncommitted changes)" for a dirty record: how a report
-    names the code a results file `res` came from."""
-    return f"commit {str(res.get('commit') or '?')[:7]}" + (" (uncommitted changes)" if res.get("dirty") else "")
+    """How a report names the code a results file `res` came from: "commit 0123abc", with
+    " (uncommitted changes)" for a dirty record; when its seeds ran at different commits
+    (`--append`), each commit with its seeds: "commits 0123abc (seed 0), 4567def (seeds 1, 2)"."""
+    def one(commit, dirty) -> str:
+        return f"{str(commit or '?')[:7]}" + (" (uncommitted changes)" if dirty else "")
+
+    runs = [r for r in res.get("runs", []) if "commit" in r]
+    labels: dict[str, list] = {}
+    for r in runs:
+        labels.setdefault(one(r["commit"], r.get("dirty")), []).append(r.get("seed"))
+    if len(labels) > 1:
+        return "commits " + ", ".join(f"{c} (seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))})"
+                                      for c, s in labels.items())
+    return "commit " + one(res.get("commit"), res.get("dirty"))

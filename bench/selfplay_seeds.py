@@ -279,7 +279,7 @@ def main() -> None:
            "eval_episodes": grpo["eval_episodes"], "steps": grpo["steps"],
            "eval_temperature": grpo["eval_temperature"], "out": Path(args.out).name}
     run_seeds(res, args.seeds, lambda seed: asyncio.run(run_seed_async(args.game, seed, args.demos)),
-              summary, report, args.out)
+              summary, report, args.out, args.append)
 
 if __name__ == "__main__":
     main()

@@ -199,7 +199,7 @@ def main() -> None:
     res = {**provenance(), "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"],
            "eval_temperature": load(GRPO)["eval_temperature"], "out": Path(args.out).name}
     run_seeds(res, args.seeds, lambda seed: run_seed(seed, args.demos, args.demo_turns, not args.no_base),
-              summary, report, args.out)
+              summary, report, args.out, args.append)
 
 if __name__ == "__main__":
     main()

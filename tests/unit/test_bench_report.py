@@ -445,5 +445,30 @@ def test_a_results_record_names_its_commit_and_whether_the_tree_differed(monkeyp
     assert prov.provenance(["bench/x.py"])["dirty"] is True
     assert prov.commit_label({"commit": "0123456789", "dirty": True}) == "commit 0123456 (uncommitted changes)"
     assert prov.commit_label({"commit": "0123456789"}) == "commit 0123456"
+    mixed = {"commit": "bbbbbbbbb", "runs": [{"seed": 0, "commit": "aaaaaaaaa"}, {"seed": 1, "commit": "bbbbbbbbb"},
+                                            {"seed": 2, "commit": "bbbbbbbbb"}]}
+    assert prov.commit_label(mixed) == "commits aaaaaaa (seed 0), bbbbbbb (seeds 1, 2)"
     for name in ("main_job_seeds", "tool_use_seeds", "game_seeds", "selfplay_seeds"):
         assert "**provenance()" in (prov.ROOT / "bench" / f"{name}.py").read_text(), name
+
+
+def test_seeds_appended_to_a_results_file_keep_each_runs_commit(tmp_path):
+    """main_job_seeds.run_seeds: every seed's record carries the commit it ran at; with
+    append, the seeds already in the file stay (stamped with that file's commit), and a
+    seed run again replaces its old record."""
+    mjs = _load("main_job_seeds")
+    out = tmp_path / "r.json"
+    printed = []
+
+    def summary(runs):
+        return {"n": len(runs)}
+
+    res = {"commit": "aaa", "dirty": False, "command": "first"}
+    mjs.run_seeds(res, [0, 1], lambda s: {"seed": s, "x": s}, summary, printed.append, str(out))
+    assert [(r["seed"], r["commit"]) for r in json.loads(out.read_text())["runs"]] == [(0, "aaa"), (1, "aaa")]
+    res = {"commit": "bbb", "dirty": True, "command": "second"}
+    mjs.run_seeds(res, [1, 2], lambda s: {"seed": s, "x": 10 + s}, summary, printed.append, str(out), append=True)
+    got = json.loads(out.read_text())
+    assert [(r["seed"], r["commit"], r["x"]) for r in got["runs"]] == [(0, "aaa", 0), (1, "bbb", 11), (2, "bbb", 12)]
+    assert got["summary"] == {"n": 3} and got["appended"] == [{"command": "first", "commit": "aaa"}]
+    assert got["runs"][1]["dirty"] is True and len(printed) == 2
