@@ -169,6 +169,8 @@ class Bus:
         self.service = service
         self._kv: dict[str, Any] = {}
         self._obj: dict[str, Any] = {}
+        # id(pull subscription) -> (durable, config) of those made with recreate=True
+        self._recreate: dict[int, tuple[S.Durable, api.ConsumerConfig]] = {}
         self.replicas = 1  # of what this connection creates (ensure_topology sets it)
         self.tenant = False  # a user's envhost (envhost/tenant.py): `_R_.` replies, no dead-letter stream
 
@@ -516,11 +518,14 @@ class Bus:
 
     async def durable(self, d: S.Durable, ack_wait_s: float = 60.0, max_deliver: int = -1,
                       deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL,
-                      max_ack_pending: int = 10_000, opt_start_seq: int | None = None, update: bool = False):
+                      max_ack_pending: int = 10_000, opt_start_seq: int | None = None, update: bool = False,
+                      recreate: bool = False):
         """A pull subscription bound to the durable consumer `d` (schemas.subjects makes
         every service's), created if missing (from stream sequence `opt_start_seq` when
         given). With `update` its config is also applied to an existing consumer (a
-        changed ack wait takes effect on restart)."""
+        changed ack wait takes effect on restart). With `recreate`, `fetch` creates the
+        consumer again when another process deleted it (a worker's work queue, which the
+        scheduler deletes when the worker misses heartbeats while it is still alive)."""
         if opt_start_seq is not None:
             deliver_policy = api.DeliverPolicy.BY_START_SEQUENCE
         cfg = api.ConsumerConfig(
@@ -531,8 +536,26 @@ class Bus:
         if update:
             await self._retry(f"consumer {d.name} on {d.stream}", self.js.add_consumer, d.stream,
                               config=dataclasses.replace(cfg, name=d.name))
-        return await self._retry(f"consumer {d.name} on {d.stream}", self.js.pull_subscribe, d.subject,
-                                 durable=d.name, stream=d.stream, config=cfg)
+        sub = await self._retry(f"consumer {d.name} on {d.stream}", self.js.pull_subscribe, d.subject,
+                                durable=d.name, stream=d.stream, config=cfg)
+        if recreate:
+            self._recreate[id(sub)] = (d, cfg)
+        return sub
+
+    async def _consumer_again(self, sub) -> None:
+        """Create `sub`'s consumer again if it was made with `recreate` and is gone."""
+        known = self._recreate.get(id(sub))
+        if known is None:
+            return
+        d, cfg = known
+        try:
+            await self.js.consumer_info(d.stream, d.name)
+            return  # it exists: the failure was transient
+        except NotFoundError:
+            pass
+        await self.js.add_consumer(d.stream, config=dataclasses.replace(cfg, name=d.name))
+        log.warning("%s: consumer %s on %s had been deleted (this worker was dropped from the pool); "
+                    "created it again", self.service, d.name, d.stream)
 
     async def delete_durable(self, d: S.Durable) -> None:
         """Delete the durable consumer `d`; nothing when it does not exist."""
@@ -553,6 +576,9 @@ class Bus:
             return []
         except TRANSIENT as e:
             log.warning("%s: fetch failed (%r); asking again", self.service, e)
+            if isinstance(e, nats.js.errors.ServiceUnavailableError):
+                with contextlib.suppress(*TRANSIENT):
+                    await self._consumer_again(sub)
             await asyncio.sleep(1.0)
             return []
 

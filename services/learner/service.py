@@ -177,7 +177,7 @@ async def handle_assignment(settings: Settings, bus: Bus, stop: asyncio.Event,
 async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     worker = settings.worker_id or default_worker_id("learner")
     S.check_worker_id(worker)
-    sub = await bus.durable(S.assignments_durable(worker), ack_wait_s=ASSIGN_ACK_WAIT_S)
+    sub = await bus.durable(S.assignments_durable(worker), ack_wait_s=ASSIGN_ACK_WAIT_S, recreate=True)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-engine")
     running: list[str] = []
     capacity = machine_capacity(1, ["deepspeed"])

@@ -454,7 +454,7 @@ async def fetch_batch(bus: Bus, sub: Any) -> list[Msg]:
 async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     worker = RolloutWorker(settings, bus)
     await worker.start()
-    sub = await bus.durable(S.rollout_durable(worker.worker), ack_wait_s=ACK_WAIT_S)
+    sub = await bus.durable(S.rollout_durable(worker.worker), ack_wait_s=ACK_WAIT_S, recreate=True)
     engines = ["vllm", "hf"] if importlib.util.find_spec("vllm") and settings.engine != "hf" else ["hf"]
     server = None
     serve_url = ""

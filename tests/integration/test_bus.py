@@ -57,3 +57,23 @@ async def test_purge_subject_drops_that_subject_only_and_a_missing_stream_is_no_
     assert await bus.read_subject(mine, Metrics) == []
     assert len(await bus.read_subject(other, Metrics)) == 1
     await bus.purge_subject("NO_SUCH_STREAM", mine)
+
+
+async def test_a_worker_whose_consumer_the_scheduler_deleted_gets_its_next_assignment(bus, job_id):
+    """A worker that missed heartbeats (a CPU-starved learner) is dropped from the pool and
+    its assignments consumer deleted (scheduler.forget_worker); when it beats again the
+    scheduler places work on it. Its fetch loop, subscribed with `recreate=True`, must
+    create the consumer again and receive that work (before, every fetch failed with
+    ServiceUnavailableError for as long as the process lived)."""
+    d = S.assignments_durable(f"w-{job_id}")
+    sub = await bus.durable(d, recreate=True)
+    await bus.delete_durable(d)  # the scheduler forgets the worker
+    await bus.purge_subject(d.stream, d.subject)
+    await bus.publish(d.subject, Metrics(job_id=job_id, step=7, policy_version=0))  # placed again
+    got = []
+    for _ in range(10):
+        got += await bus.fetch(sub, 1, 1.0)
+        if got:
+            break
+    assert [decode(m.data, Metrics).step for m in got] == [7]
+    await bus.delete_durable(d)
