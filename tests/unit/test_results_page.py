@@ -45,7 +45,7 @@ def test_readme_is_a_front_door():
     first = [line for line in lines if line.startswith("bash scripts/")][:2]
     assert [line.split()[:2] for line in first] == [["bash", "scripts/train.sh"], ["bash", "scripts/test.sh"]]
     assert all(line in opening for line in first)
-    for marker in ("main_job_seeds", "tool_use_seeds"):
+    for marker in ("main_job_seeds", "tool_use_seeds", "game_seeds", "selfplay_seeds"):
         assert f"<!-- {marker} -->" in lines and f"<!-- /{marker} -->" in lines
     links = {m for line in lines for m in LINK.findall(line)}
     for page in sorted((ROOT / "docs").glob("*.md")):
