@@ -40,6 +40,7 @@ from opentinker.schemas import DeadLetter, JobRecord, decode, encode, schema_nam
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import error_field
 from opentinker.services.core import tracing
+from opentinker.services.core.streams import DUPLICATE_WINDOW_S, stream_config, streams_of  # noqa: F401 (re-exported)
 from opentinker.services.core.config import default_nats_url, server_list, service_credentials
 
 log = logging.getLogger("opentinker.bus")
@@ -48,7 +49,6 @@ T = TypeVar("T", bound=msgspec.Struct)
 # Weights and checkpoints go through the object store in large chunks: with the
 # default 128 KiB chunks a get of tens of MB is slow (measured).
 OBJ_CHUNK_BYTES = 4 * 1024 * 1024
-DUPLICATE_WINDOW_S = 120.0
 RETRY_FOR_S = 300.0  # how long a bus call is retried across an outage before it fails
 # What a dead letter keeps of a bad message, so it fits OT_DLQ whatever the message's size.
 DLQ_PAYLOAD_BYTES = 64 * 1024
@@ -117,47 +117,6 @@ def _episode_attr(msg: Any) -> dict[str, str]:
     """`ot.episode_id` for a span about a message that names an episode."""
     eid = getattr(msg, "episode_id", "")
     return {"ot.episode_id": eid} if eid else {}
-
-
-def _overlap(a: str, b: str) -> bool:
-    """Whether NATS subjects/wildcards `a` and `b` can match a common subject."""
-    ta, tb = a.split("."), b.split(".")
-    for i in range(max(len(ta), len(tb))):
-        x, y = (ta[i] if i < len(ta) else None), (tb[i] if i < len(tb) else None)
-        if x == ">" or y == ">":
-            return x is not None and y is not None
-        if x is None or y is None:
-            return False
-        if x != y and "*" not in (x, y):
-            return False
-    return True
-
-
-def streams_of(subject: str) -> list[str]:
-    """The streams (schemas.subjects.STREAMS) that can hold messages on `subject`."""
-    return [stream for stream, (subjects, _) in S.STREAMS.items() if any(_overlap(subject, x) for x in subjects)]
-
-
-def stream_config(name: str, max_bytes_scale: float = 1.0, max_age_scale: float = 1.0,
-                  replicas: int = 1) -> api.StreamConfig:
-    """The JetStream config of stream `name`: its subjects and retention (S.STREAMS) and
-    its limits (S.STREAM_LIMITS), `max_bytes` and `max_age_s` times the scales, on
-    `replicas` nodes of a cluster. Discard policy: a full limits stream drops its oldest
-    messages; a work queue refuses new ones (per subject too), never dropping work."""
-    subjects, retention = S.STREAMS[name]
-    lim = S.STREAM_LIMITS[name]
-    work = retention == "workqueue"
-    return api.StreamConfig(
-        name=name, subjects=subjects,
-        retention=api.RetentionPolicy.WORK_QUEUE if work else api.RetentionPolicy.LIMITS,
-        storage=api.StorageType.FILE, duplicate_window=DUPLICATE_WINDOW_S, max_msg_size=lim.max_msg_size,
-        max_bytes=int(lim.max_bytes * max_bytes_scale),
-        max_age=lim.max_age_s * max_age_scale,
-        max_msgs_per_subject=lim.max_msgs_per_subject,
-        discard=api.DiscardPolicy.NEW if work else api.DiscardPolicy.OLD,
-        discard_new_per_subject=work and lim.max_msgs_per_subject > 0,
-        num_replicas=replicas,
-    )
 
 
 class Bus:
