@@ -59,12 +59,7 @@ GAMES = {"guess-number": ("examples/guess_number_sft.toml", "examples/guess_numb
          "gomoku": ("examples/gomoku_sft.toml", "examples/gomoku_vs_random.toml", "win_rate")}
 MARKER = "game_seeds"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def load(config: str, **over) -> dict:
-    import tomllib
-
-    return {**tomllib.loads((ROOT / config).read_text()), **over}
+from main_job_seeds import load_config as load  # noqa: E402 (bench/ on the path first)
 
 
 def demonstrations(n: int, seed: int, env_args: dict, game: str = "gomoku") -> list[dict]:

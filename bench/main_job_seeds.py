@@ -147,6 +147,13 @@ def write_readme(readme: Path, text: str, marker: str = "main_job_seeds") -> Non
     readme.write_text(f"{before}{start}\n{text}{end}{after}")
 
 
+def load_config(config: str, **over) -> dict:
+    """A job config (TOML, relative to the repository) as plain data, `over` on top."""
+    import tomllib
+
+    return {**tomllib.loads((ROOT / config).read_text()), **over}
+
+
 def seeds_arguments(ap: argparse.ArgumentParser, out: Path) -> None:
     """The options every seeds script shares: --seeds, --out, --report, --readme."""
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -59,6 +59,7 @@ GAMES = {
 MARKER = "selfplay_seeds"
 SEATS = GAMES["gomoku-duel"]["seats"]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from main_job_seeds import load_config as load  # noqa: E402 (bench/ on the path first)
 
 
 def demonstrations(n: int, seed: int, env_args: dict) -> list[dict]:
@@ -148,14 +149,6 @@ async def run_job(client, spec: dict, job_id: str) -> dict:
             "train_reward": train, "evals": evals}
 
 
-def load(config: str, sets: dict) -> dict:
-    from opentinker.cli.common import load_job_config
-
-    spec = load_job_config(str(ROOT / config), [])
-    spec.update(sets)
-    return spec
-
-
 async def run_seed_async(game: str, seed: int, n_demos: int) -> dict:
     from faults import fresh_home
     from opentinker.ops.stack import Stack
@@ -170,18 +163,18 @@ async def run_seed_async(game: str, seed: int, n_demos: int) -> dict:
     client, jobs = None, {}
     try:
         client = await Client.connect(stack.nats_url)
-        start = load(g["grpo"], {})["model"]
+        start = load(g["grpo"])["model"]
         if g["sft"]:
-            sft = load(g["sft"], {"seed": seed})
+            sft = load(g["sft"], seed=seed)
             demos = home / "duel_demos.jsonl"
             demos.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n"
                                      for r in demonstrations(n_demos, seed, sft["env_args"])))
             jobs["sft"] = await run_job(client, dict(sft, sft_data=str(demos)), ids["sft"])
             start = str(home / "checkpoints" / ids["sft"] / "final")
-        jobs["rl"] = await run_job(client, load(g["grpo"], {"seed": seed, "model": start}), ids["rl"])
+        jobs["rl"] = await run_job(client, load(g["grpo"], seed=seed, model=start), ids["rl"])
         for seat in g["seats"]:  # S on `seat`, C on the other
-            league = load(g["grpo"], {"seed": seed, "model": start, "steps": 1, "eval_every": 1,
-                                      "opponents": {seat: ids["rl"]}})
+            league = load(g["grpo"], seed=seed, model=start, steps=1, eval_every=1,
+                                      opponents={seat: ids["rl"]})
             jobs[f"vs-{seat}"] = await run_job(client, league, ids[f"vs-{seat}"])
     finally:
         if client is not None:
@@ -274,7 +267,7 @@ def main() -> None:
     if report_only(args, report, MARKER):
         return
     g = GAMES[args.game]
-    grpo = load(g["grpo"], {})
+    grpo = load(g["grpo"])
     res = {**provenance(), "game": args.game, "configs": [c for c in (g["sft"], g["grpo"]) if c],
            "eval_episodes": grpo["eval_episodes"], "steps": grpo["steps"],
            "eval_temperature": grpo["eval_temperature"], "out": Path(args.out).name}

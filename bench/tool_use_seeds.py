@@ -51,12 +51,7 @@ OUT = ROOT / "bench" / "results" / "tool_use_seeds.json"
 SFT, GRPO = "examples/tool_mul_sft.toml", "examples/tool_mul_grpo.toml"
 MARKER = "tool_use_seeds"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def load(config: str, **over) -> dict:
-    import tomllib
-
-    return {**tomllib.loads((ROOT / config).read_text()), **over}
+from main_job_seeds import load_config as load  # noqa: E402 (bench/ on the path first)
 
 
 def demonstrations(n: int, seed: int, env_args: dict, turns: int = 2) -> list[dict]:
@@ -196,8 +191,9 @@ def main() -> None:
     args = ap.parse_args()
     if report_only(args, report, MARKER):
         return
-    res = {**provenance(), "configs": [SFT, GRPO], "eval_episodes": load(GRPO)["eval_episodes"],
-           "eval_temperature": load(GRPO)["eval_temperature"], "out": Path(args.out).name}
+    grpo = load(GRPO)
+    res = {**provenance(), "configs": [SFT, GRPO], "eval_episodes": grpo["eval_episodes"],
+           "eval_temperature": grpo["eval_temperature"], "out": Path(args.out).name}
     run_seeds(res, args.seeds, lambda seed: run_seed(seed, args.demos, args.demo_turns, not args.no_base),
               summary, report, args.out, args.append)
 
