@@ -227,8 +227,10 @@ async def submit_when_ready(client, spec: dict, job_id: str, services=None, time
         except SpecError as e:
             if timed_out and e.field == "job_id" and "already exists" in str(e):
                 return Job(client, job_id)  # a request that timed out had reached the scheduler
-            if e.field != "env" or time.monotonic() > deadline:
+            if e.field != "env":
                 raise
+            if time.monotonic() > deadline:
+                pytest.fail(f"{e} (still after {timeout_s:.0f} s)\n{services.logs() if services else ''}")
             await asyncio.sleep(0.3)  # the test's envhost, started with the scheduler, is not serving yet
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as e:
             timed_out = timed_out or not isinstance(e, nats.errors.NoRespondersError)

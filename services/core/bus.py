@@ -56,6 +56,8 @@ DLQ_HEADERS = 32
 DLQ_HEADER_CHARS = 1024  # of each header's name and of its value
 DLQ_REASON_CHARS = 8192
 JS_STORAGE_EXHAUSTED = 10047  # JetStream's err_code: "insufficient storage resources available"
+JS_NO_PEERS = 10005  # "no suitable peers for placement": a cluster node is still joining (or down)
+PLACEMENT_WAIT_S = 120.0  # how long creating a replicated stream waits for the cluster's nodes
 KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS, S.KV_TINKER, S.KV_ENVS)
 
 # errors a NATS outage or a JetStream restart produces (the call may succeed later)
@@ -65,15 +67,15 @@ TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.error
              asyncio.TimeoutError)
 
 
-def retrying(what: str, retry_for_s: float | None = None) -> tenacity.AsyncRetrying:
-    """A tenacity policy for one bus call `what`: retry TRANSIENT errors with
-    exponential backoff (0.2 s doubling to 5 s, jittered) for up to `retry_for_s`
-    (default RETRY_FOR_S), then re-raise the last error."""
+def retrying(what: str, retry_for_s: float | None = None, err_codes: tuple[int, ...] = ()) -> tenacity.AsyncRetrying:
+    """A tenacity policy for one bus call `what`: retry TRANSIENT errors (and JetStream
+    API errors of `err_codes`) with exponential backoff (0.2 s doubling to 5 s,
+    jittered) for up to `retry_for_s` (default RETRY_FOR_S), then re-raise the last error."""
     def note(state: tenacity.RetryCallState) -> None:
         log.warning("%s: %r; retrying (attempt %d)", what, state.outcome.exception(), state.attempt_number)
 
     return tenacity.AsyncRetrying(
-        retry=tenacity.retry_if_exception_type(TRANSIENT),
+        retry=tenacity.retry_if_exception(lambda e: isinstance(e, TRANSIENT) or getattr(e, "err_code", 0) in err_codes),
         wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.2),
         stop=tenacity.stop_after_delay(RETRY_FOR_S if retry_for_s is None else retry_for_s),
         before_sleep=note, reraise=True)
@@ -182,10 +184,7 @@ class Bus:
         for name in S.STREAMS:
             cfg = stream_config(name, max_bytes_scale, max_age_scale, replicas)
             try:
-                try:
-                    await self.js.add_stream(cfg)
-                except BadRequestError:  # it exists with another config (older limits)
-                    await self.js.update_stream(cfg)
+                await self._place(f"create stream {name}", self._add_or_update, cfg)
             except APIError as e:
                 if e.err_code != JS_STORAGE_EXHAUSTED:
                     raise
@@ -200,6 +199,22 @@ class Bus:
             await self.objects(bucket)
             await self._converge(f"OBJ_{bucket}", num_replicas=replicas)
 
+    async def _add_or_update(self, cfg: api.StreamConfig) -> None:
+        try:
+            await self.js.add_stream(cfg)
+        except BadRequestError as e:  # it exists with another config (older limits)
+            if e.err_code == JS_NO_PEERS:
+                raise
+            await self.js.update_stream(cfg)
+
+    async def _place(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any:
+        """`await fn(...)` creating or resizing a stream, KV bucket or object store: in a
+        cluster whose nodes have not all joined yet (JS_NO_PEERS, or a timeout while a
+        node restarts) it is retried for up to PLACEMENT_WAIT_S, then raised."""
+        async for attempt in retrying(f"{self.service}: {what}", PLACEMENT_WAIT_S, (JS_NO_PEERS,)):
+            with attempt:
+                return await fn(*args, **kw)
+
     async def kv(self, bucket: str):
         """The KV bucket `bucket`, created if missing. In `ot_workers` an entry expires
         WORKER_TTL_S after its last write (a worker's missed heartbeats)."""
@@ -209,9 +224,9 @@ class Bus:
             except (NotFoundError, nats.js.errors.BucketNotFoundError):
                 ttl = S.WORKER_TTL_S if bucket == S.KV_WORKERS else None
                 history = 1 if bucket == S.KV_WORKERS else 8
-                self._kv[bucket] = await self.js.create_key_value(bucket=bucket, history=history, ttl=ttl,
-                                                                  max_value_size=S.KV_MAX_VALUE_BYTES,
-                                                                  replicas=self.replicas)
+                self._kv[bucket] = await self._place(f"create KV {bucket}", self.js.create_key_value,
+                                                     bucket=bucket, history=history, ttl=ttl,
+                                                     max_value_size=S.KV_MAX_VALUE_BYTES, replicas=self.replicas)
         return self._kv[bucket]
 
     async def _converge(self, stream: str, **want: Any) -> None:
@@ -219,7 +234,7 @@ class Bus:
         perhaps by an older version) to the `want`ed StreamConfig fields."""
         info = await self._retry(f"read {stream} config", self.js.stream_info, stream)
         if any(getattr(info.config, k) != v for k, v in want.items()):
-            await self.js.update_stream(dataclasses.replace(info.config, **want))
+            await self._place(f"update {stream}", self.js.update_stream, dataclasses.replace(info.config, **want))
 
     async def job_record(self, job_id: str) -> tuple[JobRecord, int] | None:
         """The scheduler's record of `job_id` and its KV revision, or None when there is
@@ -284,7 +299,8 @@ class Bus:
             try:
                 self._obj[bucket] = await self._retry(f"open object store {bucket}", self.js.object_store, bucket)
             except (NotFoundError, nats.js.errors.BucketNotFoundError):
-                self._obj[bucket] = await self.js.create_object_store(
+                self._obj[bucket] = await self._place(
+                    f"create object store {bucket}", self.js.create_object_store,
                     bucket=bucket, config=api.ObjectStoreConfig(bucket=bucket, replicas=self.replicas))
         return self._obj[bucket]
 

@@ -186,7 +186,9 @@ class NatsCluster:
         return self
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Wait until a client's JetStream account request is answered. Raises RuntimeError."""
+        """Wait until every node answers a JetStream account request (each has joined the
+        cluster and knows its meta leader; a cluster of two of three nodes already
+        answers, but cannot place a 3-replica stream). Raises RuntimeError."""
         import asyncio
 
         import nats
@@ -195,13 +197,14 @@ class NatsCluster:
             from opentinker.services.core.config import service_credentials
 
             creds = {"nkeys_seed": str(self.service_seed_file)} if self.auth else service_credentials(self.url)
-            nc = await nats.connect([n.url for n in self.nodes], connect_timeout=2, allow_reconnect=False,
-                                    max_reconnect_attempts=0, **creds)
-            try:
-                await nc.jetstream().account_info()
-                return True
-            finally:
-                await nc.close()
+            for node in self.nodes:
+                nc = await nats.connect(node.url, connect_timeout=2, allow_reconnect=False,
+                                        max_reconnect_attempts=0, **creds)
+                try:
+                    await nc.jetstream().account_info()
+                finally:
+                    await nc.close()
+            return True
 
         from concurrent.futures import ThreadPoolExecutor
 

@@ -62,3 +62,27 @@ async def test_a_node_killed_mid_job_loses_no_step_and_no_trajectory(tmp_path, h
         await client.close()
         services.stop_all()
         cluster.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_a_service_started_before_the_last_node_joins_waits_for_it(tmp_path):
+    """Two nodes of three up: JetStream answers but cannot place 3 replicas ("no suitable
+    peers", err 10005). A service starting then waits for the third node instead of
+    crashing (it once left a CI run's envhost dead and every job refused)."""
+    from opentinker.services.core.bus import Bus
+
+    cluster = NatsCluster(tmp_path / "nats", 3)
+    for node in cluster.nodes[:2]:
+        node.start()
+    bus = await Bus.connect(",".join(n.url for n in cluster.nodes[:2]), service="test")
+    try:
+        topology = asyncio.create_task(bus.ensure_topology(replicas=3))
+        await asyncio.sleep(3)
+        assert not topology.done(), topology.exception()  # waiting, not failed
+        cluster.nodes[2].start()
+        await asyncio.wait_for(topology, 150)
+        info = await bus._retry("stream info", bus.js.stream_info, S.STREAM_TRAJ)
+        assert info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2, info.cluster
+    finally:
+        await bus.close()
+        cluster.stop()
