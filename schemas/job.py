@@ -42,6 +42,8 @@ AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 # how per-token losses become the step's loss (loss.aggregation_weights; verl's loss_agg_mode).
 # "auto": the estimator's own (loss.resolve_loss_agg): Dr. GRPO's "seq-mean-token-sum-norm"
 # with advantage_estimator "dr_grpo", "token-mean" with every other estimator
+# the per-token surrogates of services/learner/surrogates.py (a test keeps them equal)
+Surrogate = Literal["ppo", "cispo", "importance_sampling", "dro", "cross_entropy"]
 LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
@@ -119,7 +121,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     ~0.03 nats on SmolLM2-135M). On a CPU with native bf16 (AMX) it samples ~1.5x faster.
 
     The objective (loss.py; each option's source in its docstring): the estimator of
-    the advantage (`advantage_estimator`: GRPO, Dr. GRPO, RLOO, REINFORCE++); PPO's clip
+    the advantage (`advantage_estimator`: GRPO, Dr. GRPO, RLOO, REINFORCE++); the
+    per-token `surrogate` (surrogates.py, shared with the Tinker API's loss_fn: "ppo",
+    "cispo", "importance_sampling", "dro" with `dro_beta`, "cross_entropy"); PPO's clip
     [1 - clip_range, 1 + clip_range_high] (clip-higher, DAPO) and `dual_clip`; the
     sequence-level ratio of GSPO (`importance_sampling_level = "sequence"`); the loss
     aggregation (`loss_agg`, verl's names; "auto", the default, is "seq-mean-token-sum-norm"
@@ -204,6 +208,8 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     opponents: dict[str, str] = msgspec.field(default_factory=dict)
     # -- the objective (loss.py): options named as in verl / TRL, each citing its source
     advantage_estimator: AdvantageEstimator = "grpo"
+    surrogate: Surrogate = "ppo"
+    dro_beta: Bounded(float, 0, 100, note="DRO's penalty weight; > 0 with surrogate = 'dro'") = 0.0
     clip_range_high: Bounded(float, 0, 10, note="0 = clip_range (symmetric)") = 0.0
     dual_clip: Bounded(float, 0, 100, note="0 = off, else > 1") = 0.0
     loss_agg: LossAgg = "auto"
@@ -368,6 +374,11 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
                f"a tinker session accumulates gradients across calls without ZeRO (got {spec.zero_stage})")
     _check(spec.dual_clip == 0 or spec.dual_clip > 1, "dual_clip",
            f"must be 0 (off) or > 1 (got {spec.dual_clip!r}): the bound is c * |A| with c > 1, arXiv 1912.09729")
+    _check(spec.dual_clip == 0 or spec.surrogate == "ppo", "dual_clip",
+           f"bounds PPO's clipped surrogate only (surrogate = {spec.surrogate!r})")
+    _check((spec.dro_beta > 0) == (spec.surrogate == "dro"), "dro_beta",
+           "is DRO's penalty weight: > 0 with surrogate = 'dro' (e.g. 0.05, arXiv 2405.19107), 0 with any other "
+           f"(got {spec.dro_beta!r} with surrogate = {spec.surrogate!r})")
     if spec.algorithm == "grpo":
         _check(spec.mini_batches <= spec.episodes_per_step, "mini_batches",
                f"must be at most the step's {spec.episodes_per_step} episodes (got {spec.mini_batches})")

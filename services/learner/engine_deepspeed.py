@@ -27,6 +27,7 @@ import torch
 from opentinker.schemas import JobSpec
 from opentinker.services.core import tracing
 from opentinker.services.core.nats_server import free_port
+from opentinker.services.learner import surrogates
 from opentinker.services.learner.batching import Batch
 from opentinker.services.learner.loss import (AggTotals, LossConfig, aggregation_weights, policy_loss,
                                               selected_logprobs)
@@ -349,7 +350,8 @@ class TrainEngine:
             "loss": sums["loss"] / len(kept),
             "grad_norm": grad_norm,
             "entropy": sums["entropy"] / n,
-            "clip_frac": sums["clipped"] / n,
+            # an unclipped surrogate (dro, importance_sampling) clips nothing: no clip_frac
+            **({"clip_frac": sums["clipped"] / n} if cfg.surrogate in surrogates.CLIPPED else {}),
             "approx_kl": sums["approx_kl"] / n,
             # KL to the reference only where the loss has that term: with kl_coef 0 (or
             # the KL in the reward) nothing computes it, and a 0 would read as one

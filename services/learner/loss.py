@@ -16,6 +16,9 @@ from typing import NamedTuple
 
 import torch
 
+from opentinker.services.learner import surrogates
+from opentinker.services.learner.surrogates import SurrogateParams
+
 ADV_EPS = 1e-6
 
 
@@ -326,7 +329,10 @@ class LossConfig(NamedTuple):
     behaviour-policy correction (rollout_is_weights); kl_coef / kl_estimator: the KL
     penalty to the reference as a loss term (0 = off); entropy_coef: an entropy bonus
     (the loss subtracts coef * entropy; Williams & Peng 1991; Mnih et al. 2016 A3C);
-    loss_agg: the aggregation of aggregation_weights, resolved (resolve_loss_agg).
+    loss_agg: the aggregation of aggregation_weights, resolved (resolve_loss_agg);
+    surrogate: the per-token objective, a name in surrogates.SURROGATES ("ppo", the
+    clipped surrogate; "cispo", "importance_sampling", "dro", "cross_entropy"), with
+    dro_beta DRO's penalty weight.
     """
 
     clip_low: float = 0.2
@@ -340,6 +346,8 @@ class LossConfig(NamedTuple):
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
+    surrogate: str = "ppo"
+    dro_beta: float = 0.0
 
     @classmethod
     def from_spec(cls, spec) -> "LossConfig":
@@ -351,7 +359,8 @@ class LossConfig(NamedTuple):
                    rollout_is_threshold=spec.rollout_is_threshold,
                    kl_coef=0.0 if spec.kl_in_reward else spec.kl_coef, kl_estimator=spec.kl_estimator,
                    entropy_coef=spec.entropy_coef,
-                   loss_agg=resolve_loss_agg(spec.loss_agg, spec.advantage_estimator))
+                   loss_agg=resolve_loss_agg(spec.loss_agg, spec.advantage_estimator),
+                   surrogate=spec.surrogate, dro_beta=spec.dro_beta)
 
 
 def rollout_is_weights(logp_prox: torch.Tensor, logp_behav: torch.Tensor, loss_mask: torch.Tensor,
@@ -415,7 +424,8 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
                 loss_mask: torch.Tensor, cfg: LossConfig = LossConfig(), *,
                 weights: torch.Tensor | None = None, logp_prox: torch.Tensor | None = None,
                 logp_ref: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> LossOut:
-    """The clipped-surrogate policy loss (PPO / GRPO and the variants of LossConfig).
+    """The policy loss of GRPO jobs: cfg.surrogate per token (surrogates.py; PPO's clipped
+    surrogate by default) with the shared ratio, masking, corrections and aggregation.
 
     logp (current, with gradient), logp_behav (the sampler's), loss_mask: [B, T];
     advantages: [B] (every policy token of the episode) or [B, T] (per token);
@@ -424,14 +434,15 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
     (aggregation_weights), default token-mean over this batch.
     Per token, with old = logp_prox when given, else logp_behav:
       r = exp(logp - old) (ratio_level "sequence": exp of the mean over the sequence,
-      GSPO), pg = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A); with dual_clip c,
-      pg = min(pg, -c A) where A < 0; times the behaviour correction w
+      GSPO); pg = the surrogate's loss, for "ppo" -min(r A, clip(r, 1 - clip_low,
+      1 + clip_high) A), with dual_clip c at most -c A where A < 0; times the behaviour correction w
       (rollout_is_weights, no gradient); plus kl_coef * KL_est(logp, logp_ref) minus
       entropy_coef * entropy. loss = sum_b weights_b sum_t mask_bt * l_bt.
     Sources: PPO clip, Schulman et al. 2017, arXiv 1707.06347 eq. 7; GRPO, arXiv
-    2402.03300 eq. 3; and those of LossConfig and rollout_is_weights. clip fraction
-    counts tokens with r outside the clip range and approx KL is k3 of KL(old ||
-    current), (r - 1) - log r (both as in CleanRL's PPO).
+    2402.03300 eq. 3; and those of LossConfig, surrogates.py and rollout_is_weights.
+    clipped_sum counts the tokens with r outside the clip range (0 for an unclipped
+    surrogate) and approx KL is k3 of KL(old || current), (r - 1) - log r (both as in
+    CleanRL's PPO).
     Raises ValueError on mismatched shapes, or a missing logp_prox / logp_ref /
     entropy that the options need.
     """
@@ -461,12 +472,10 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
         log_ratio = (torch.where(keep, log_ratio, 0.0).sum(dim=1, keepdim=True) / n).expand_as(logp)
     elif cfg.ratio_level != "token":
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {cfg.ratio_level!r}")
-    ratio = torch.exp(log_ratio)
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(keep, adv, 0.0)
-    pg = -torch.min(ratio * adv, torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv)
-    if cfg.dual_clip:
-        pg = torch.where(adv < 0, torch.min(pg, -cfg.dual_clip * adv), pg)
+    pg, _ = surrogates.get(cfg.surrogate)(
+        logp, log_ratio, adv, SurrogateParams(1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.dual_clip, cfg.dro_beta))
     is_w_sum = is_capped_sum = mismatch_sum = 0.0
     if cfg.rollout_is != "none":
         w, capped = rollout_is_weights(logp_prox, logp_behav, loss_mask, cfg.rollout_is,
@@ -489,7 +498,9 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
         per_token = per_token - cfg.entropy_coef * torch.where(keep, entropy, 0.0)
     loss = (torch.where(keep, per_token, 0.0) * weights.to(per_token.dtype).unsqueeze(1)).sum()
     with torch.no_grad():
-        clipped = ((ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high))[keep].sum()
+        ratio = torch.exp(log_ratio)
+        clipped = ((ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high))[keep].sum() \
+            if cfg.surrogate in surrogates.CLIPPED else 0.0
         approx_kl = k3_kl(old, logp)[keep].sum()
         ent = entropy.detach()[keep].sum() if entropy is not None else torch.zeros(())
     return LossOut(loss, tokens, float(clipped), float(approx_kl), kl_sum, float(ent),

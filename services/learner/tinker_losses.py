@@ -13,6 +13,8 @@ sampler's logprob of the same token), A the `advantages` input, r = exp(lp - q).
     cispo                L = -sum_i sg(clip(r_i, low, high)) * lp_i * A_i
     dro                  L = -sum_i (lp_i * A_i - 0.5 * beta * (lp_i - q_i)^2)
 
+The per-token formulas are the registry's (surrogates.py), which GRPO jobs use too
+(`surrogate` in the job spec); this module adds Tinker's inputs, bounds and metrics.
 Losses are sums over tokens, not means, as in Tinker. `low`/`high` are the ratio
 bounds themselves (config keys clip_low_threshold / clip_high_threshold, e.g. 0.8 and
 1.2), not epsilons. Defaults: ppo 0.8 / 1.2 ("epsilon fixed to 0.2"), cispo 0.0 / 4.0
@@ -35,7 +37,10 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+from opentinker.services.learner import surrogates
+from opentinker.services.learner.surrogates import SurrogateParams
+
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")  # each in surrogates.SURROGATES
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
@@ -134,35 +139,24 @@ def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor
         return torch.as_tensor(value, dtype=lp.dtype, device=lp.device)
 
     if loss_fn == "cross_entropy":
-        loss = -(lp * as_lp(inputs["weights"])).sum()
+        loss_t, _ = surrogates.get(loss_fn)(lp, torch.zeros_like(lp), as_lp(inputs["weights"]), SurrogateParams())
+        loss = loss_t.sum()
         return loss, {"loss": float(loss.detach())}
 
     q, adv = as_lp(inputs["logprobs"]), as_lp(inputs["advantages"])
     log_ratio = lp - q
-    ratio = log_ratio.exp()
     active = adv != 0
     n_active = int(active.sum())
+    ratio = log_ratio.detach().exp()
     metrics = {"active_tokens": float(n_active),
-               "ratio_mean": float(ratio.detach()[active].mean()) if n_active else 1.0}
-    if loss_fn == "importance_sampling":
-        loss = -(ratio * adv).sum()
-    elif loss_fn == "ppo":
-        low, high = _clip_bounds(loss_fn, cfg, inputs, as_lp)
-        unclipped = ratio * adv
-        clipped = torch.minimum(torch.maximum(ratio, low), high) * adv
-        loss = -torch.minimum(unclipped, clipped).sum()
-        metrics["clipped_tokens"] = float((clipped < unclipped).sum())
-    elif loss_fn == "cispo":
-        low, high = _clip_bounds(loss_fn, cfg, inputs, as_lp)
-        r = ratio.detach()  # sg(): the clipped ratio is a coefficient, never differentiated
-        coef = torch.minimum(torch.maximum(r, low), high)
-        loss = -(coef * lp * adv).sum()
-        metrics["clipped_tokens"] = float((((r < low) | (r > high)) & active).sum())
-    else:  # dro
-        # The penalty covers every position, A = 0 or not, as in Tinker's formula.
-        penalty = 0.5 * cfg["beta"] * log_ratio.square().sum()
-        loss = -(lp * adv).sum() + penalty
-        metrics["penalty"] = float(penalty.detach())
+               "ratio_mean": float(ratio[active].mean()) if n_active else 1.0}
+    low, high = _clip_bounds(loss_fn, cfg, inputs, as_lp) if loss_fn in CLIP_DEFAULTS else (0.0, 0.0)
+    loss_t, clipped = surrogates.get(loss_fn)(lp, log_ratio, adv, SurrogateParams(low, high, beta=cfg.get("beta", 0.0)))
+    loss = loss_t.sum()
+    if loss_fn in surrogates.CLIPPED:
+        metrics["clipped_tokens"] = float((clipped & active).sum())
+    if loss_fn == "dro":  # the penalty covers every position, A = 0 or not, as in Tinker's formula
+        metrics["penalty"] = float((loss_t + adv * lp).detach().sum())
     metrics["loss"] = float(loss.detach())
     return loss, metrics
 

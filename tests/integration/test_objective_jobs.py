@@ -1,9 +1,9 @@
 """One short job per family of objective options, through the real services (scheduler,
 learner on DeepSpeed, rollout, envhost, recorder on a real nats-server) with the tiny
 model: asynchronous training with the behaviour correction; clip-higher, dual clip,
-GSPO's sequence ratio and Dr. GRPO's aggregation; RLOO with KL in the reward and the
-soft overlong penalty; REINFORCE++ with a KL loss, an entropy bonus, epochs x
-mini-batches, a warmed-up cosine learning rate and token-budget micro-batches; DAPO's
+GSPO's sequence ratio and Dr. GRPO's aggregation; RLOO with KL in the reward, the soft
+overlong penalty and CISPO's surrogate; REINFORCE++ with DRO's surrogate, a KL loss, an
+entropy bonus, epochs x mini-batches, a warmed-up cosine learning rate and token-budget micro-batches; DAPO's
 dynamic sampling, replacing groups without signal by fresh prompts; a bfloat16 sampler
 beside the float32 learner, its gap measured and corrected.
 The formulas themselves are checked by hand in tests/unit/test_loss_options.py; here
@@ -38,8 +38,9 @@ FAMILIES = {
                  importance_sampling_level="sequence", advantage_estimator="dr_grpo",
                  loss_agg="seq-mean-token-sum-norm", skip_zero_variance=False),
     "reward": dict(advantage_estimator="rloo", kl_coef=0.05, kl_in_reward=True, kl_estimator="k1",
-                   overlong_buffer=4),
+                   overlong_buffer=4, surrogate="cispo"),
     "updates": dict(advantage_estimator="reinforce_pp", kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01,
+                    surrogate="dro", dro_beta=0.05,
                     ppo_epochs=2, mini_batches=2, lr_schedule="cosine", lr_warmup_steps=1,
                     micro_batch_tokens=64, lora_rank=0),
     # prompts of even group seed reward 0 everywhere: their groups are replaced
@@ -90,8 +91,11 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     assert 0 < a[1]["is_weight_mean"] <= 4.0 and a[1]["mismatch_kl"] >= 0, a
     # strictly on-policy without the correction: nothing to weight
     assert c[1]["policy_lag_max"] == 0 and c[1]["is_weight_mean"] == 1.0 and c[1]["mismatch_kl"] == 0
-    # KL in the reward: the loss has no KL term, so no KL to the reference is reported
+    # KL in the reward: the loss has no KL term, so no KL to the reference is reported;
+    # CISPO's clip is reported, DRO (the updates family) has none to report
     assert "kl" not in r[1] and max(v["grad_norm"] for v in r.values()) > 0
+    assert all("clip_frac" in v for v in r.values() if "entropy" in v), r
+    assert not any("clip_frac" in v for v in u.values()), u
     # 2 epochs x 2 mini-batches = 4 optimizer updates a step (unless a step had no
     # signal); the cosine schedule warms up from 0 over the first step
     assert all(v["updates"] in (0.0, 4.0) for v in u.values()) and any(v["updates"] == 4.0 for v in u.values())

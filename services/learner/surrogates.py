@@ -1,0 +1,117 @@
+"""Per-token policy surrogates, registered once: what GRPO jobs (`surrogate` in the job
+spec, loss.policy_loss) and the Tinker API's `forward_backward(loss_fn=...)`
+(tinker_losses.datum_loss) both compute.
+
+A surrogate maps, per token t (any shape, all of the same):
+  logp       log pi(y_t), with gradient
+  log_ratio  log pi(y_t) - log pi_old(y_t) (GSPO: the sequence's mean, repeated), with gradient
+  adv        the advantage A_t (cross_entropy: the token's weight)
+  p          SurrogateParams: the ratio bounds [low, high] (floats or tensors broadcast
+             to the tokens), dual_clip, beta
+to (loss_t, clipped_t): the token's loss (to be masked and aggregated by the caller) and
+a bool tensor of the tokens its clip acted on (all False for an unclipped surrogate).
+
+A new surrogate is one function under `@surrogate("name", clipped=...)` and one test
+(tests/unit/test_surrogates.py). Sources per function; the Tinker API's definitions
+are at https://tinker-docs.thinkingmachines.ai/losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+
+class SurrogateParams(NamedTuple):
+    """low, high: the ratio's bounds (e.g. 1 - clip_range, 1 + clip_range_high), floats
+    or tensors broadcastable to the tokens; dual_clip: c > 1 bounds a negative-advantage
+    token's PPO loss by -c A (0 = off); beta: DRO's quadratic penalty weight."""
+
+    low: float | torch.Tensor = 0.8
+    high: float | torch.Tensor = 1.2
+    dual_clip: float = 0.0
+    beta: float = 0.0
+
+
+Surrogate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SurrogateParams],
+                     tuple[torch.Tensor, torch.Tensor]]
+SURROGATES: dict[str, Surrogate] = {}
+CLIPPED: set[str] = set()  # the surrogates that read p.low / p.high
+
+
+def surrogate(name: str, clipped: bool = False) -> Callable[[Surrogate], Surrogate]:
+    """Register `fn` under `name` (raises ValueError for a name taken twice)."""
+    def register(fn: Surrogate) -> Surrogate:
+        if name in SURROGATES:
+            raise ValueError(f"surrogate {name!r} is registered twice")
+        SURROGATES[name] = fn
+        if clipped:
+            CLIPPED.add(name)
+        return fn
+    return register
+
+
+def get(name: str) -> Surrogate:
+    """The surrogate `name`. Raises ValueError naming the registered ones."""
+    try:
+        return SURROGATES[name]
+    except KeyError:
+        raise ValueError(f"surrogate must be one of {sorted(SURROGATES)}, got {name!r}") from None
+
+
+def _none(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like, dtype=torch.bool)
+
+
+@surrogate("ppo", clipped=True)
+def ppo(logp, log_ratio, adv, p):
+    """-min(r A, clip(r, low, high) A), r = exp(log_ratio); with dual_clip c > 1, at
+    most -c A where A < 0. clipped: the clipped term won the min (the token's gradient
+    is zero; verl's pg_clipfrac). Schulman et al. 2017, arXiv 1707.06347 eq. 7; dual
+    clip, Ye et al. 2020, arXiv 1912.09729 §3.1."""
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.minimum(torch.maximum(ratio, torch.as_tensor(p.low, dtype=ratio.dtype, device=ratio.device)),
+                            torch.as_tensor(p.high, dtype=ratio.dtype, device=ratio.device)) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    if p.dual_clip:
+        loss = torch.where(adv < 0, torch.minimum(loss, -p.dual_clip * adv), loss)
+    return loss, (clipped < unclipped).detach()
+
+
+@surrogate("cispo", clipped=True)
+def cispo(logp, log_ratio, adv, p):
+    """-sg(clip(r, low, high)) A log pi: the clipped ratio is a coefficient, never
+    differentiated, so every token keeps a gradient. clipped: r outside [low, high].
+    MiniMax-M1, arXiv 2506.13585 eq. 4."""
+    r = torch.exp(log_ratio.detach())
+    low = torch.as_tensor(p.low, dtype=r.dtype, device=r.device)
+    high = torch.as_tensor(p.high, dtype=r.dtype, device=r.device)
+    return -(torch.minimum(torch.maximum(r, low), high) * adv * logp), (r < low) | (r > high)
+
+
+@surrogate("importance_sampling")
+def importance_sampling(logp, log_ratio, adv, p):
+    """-r A, unclipped: the policy gradient corrected by the importance ratio
+    (REINFORCE with importance weights; Tinker's `importance_sampling`)."""
+    loss = -(torch.exp(log_ratio) * adv)
+    return loss, _none(loss)
+
+
+@surrogate("dro")
+def dro(logp, log_ratio, adv, p):
+    """-A log pi + beta/2 (log pi - log pi_old)^2: direct reward optimization's
+    quadratic penalty instead of a clip, on every token. Richemond et al. 2024,
+    arXiv 2405.19107; Kimi k1.5, arXiv 2501.12599 §2.3.2."""
+    loss = -(adv * logp) + 0.5 * p.beta * log_ratio.square()
+    return loss, _none(loss)
+
+
+@surrogate("cross_entropy")
+def cross_entropy(logp, log_ratio, adv, p):
+    """-w log pi, with the token weight w in `adv`: supervised learning (w = 1 on the
+    target tokens), or REINFORCE without a ratio when w is an advantage (Williams 1992)."""
+    loss = -(adv * logp)
+    return loss, _none(loss)
