@@ -4,7 +4,8 @@ environment API users implement is `opentinker.environment.base_game`.)
 
     base.py        the message base class and bounded integer types
     codec.py       encode / typed decode
-    job.py         JobSpec, its bounds (msgspec Meta on the fields) and validation
+    job.py         JobSpec, its bounds and descriptions (msgspec Meta on the fields) and validation
+    options.py     the options table of docs/job-spec.md, generated from JobSpec's fields
     control.py     submit / cancel, job records and state changes, assignments
     rollout.py     RolloutRequest (one group) and Trajectory (one episode)
     weights.py     weight events (a policy version and where its bytes are)
