@@ -319,20 +319,13 @@ def aggregation_weights(loss_mask: torch.Tensor, mode: str, totals: AggTotals) -
 
 
 class LossConfig(NamedTuple):
-    """The policy objective's options (JobSpec fields of the same meaning).
-
-    clip_low, clip_high: PPO's ratio clip [1 - clip_low, 1 + clip_high] (clip-higher,
-    DAPO arXiv 2503.14476 §3.1); dual_clip: c > 1 bounds a negative-advantage token's
-    loss by -c A (Ye et al. 2020, arXiv 1912.09729 §3.1; 0 = off); ratio_level:
-    "token" or "sequence" (GSPO arXiv 2507.18071 eq. 7: the length-normalized
-    sequence ratio); rollout_is / rollout_is_mode / rollout_is_threshold: the
-    behaviour-policy correction (rollout_is_weights); kl_coef / kl_estimator: the KL
-    penalty to the reference as a loss term (0 = off); entropy_coef: an entropy bonus
-    (the loss subtracts coef * entropy; Williams & Peng 1991; Mnih et al. 2016 A3C);
-    loss_agg: the aggregation of aggregation_weights, resolved (resolve_loss_agg);
-    surrogate: the per-token objective, a name in surrogates.SURROGATES ("ppo", the
-    clipped surrogate; "cispo", "importance_sampling", "dro", "cross_entropy"), with
-    dro_beta DRO's penalty weight.
+    """The policy objective's options as policy_loss takes them: the JobSpec options of
+    the same name (described in docs/job-spec.md; `from_spec` maps them), but clip_low =
+    clip_range, clip_high = clip_range_high (clip_range where 0), ratio_level =
+    importance_sampling_level, kl_coef 0 where the KL goes into the reward instead, and
+    loss_agg resolved for the estimator (resolve_loss_agg). The formulas and their
+    sources: policy_loss, rollout_is_weights, kl_estimate, aggregation_weights and
+    surrogates.py.
     """
 
     clip_low: float = 0.2
