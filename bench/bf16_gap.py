@@ -89,7 +89,7 @@ def score(dtype: str, path: Path, reps: int) -> dict:
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            eng.train_step([mbs], [tot], [spec.lr])
+            eng.train_step(mbs, [list(range(len(mbs)))], [tot], [spec.lr])
             times.append(time.perf_counter() - t0)
     finally:
         eng.close()

@@ -134,7 +134,7 @@ def measure_training(reps: int, episodes: int, prompt_len: int, gen_len: int) ->
     try:
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            eng.train_step([mbs], [tot], [spec.lr])
+            eng.train_step(mbs, [list(range(len(mbs)))], [tot], [spec.lr])
             times.append(time.perf_counter() - t0)
     finally:
         eng.close()

@@ -4,6 +4,8 @@
     lifecycle.py        what every job run shares: start, event follower, fencing,
                         weights, checkpoints, finish (RunLifecycle)
     job.py              a GRPO run (JobRun): ask for groups, wait, train a step, publish
+    step.py             a GRPO step planned from its trajectories, pure: reward bonuses,
+                        advantages, updates, micro-batches, learning rates
     ledger.py           trajectory bookkeeping, pure: held groups, duplicates, attempts,
                         the stream floor a checkpoint resumes from
     sft.py              an SFT run (SFTRun): a dataset file or a query over the log

@@ -286,26 +286,42 @@ def micro_batch_indices(lengths: Sequence[int], micro_batch_size: int, max_token
     return groups
 
 
-def shard_updates(updates: Sequence[Sequence[Batch]], rank: int, world_size: int) -> list[list[Batch]]:
-    """Rank `rank`'s share of each update's micro-batches, data parallel over
-    `world_size` ranks: micro-batches rank, rank + world_size, ... A rank left short
-    gets a token-less copy of the update's first micro-batch (loss mask 0; one object
-    per first micro-batch, as an epoch repeats the same Batch objects), so every rank
-    runs as many forward/backward passes per update and their gradient all-reduces pair
-    up (engine_deepspeed.TrainEngine.train_step). Raises ValueError for a rank outside
-    [0, world_size)."""
+def shard_updates(micro_batches: Sequence[Batch], updates: Sequence[Sequence[int]], rank: int,
+                  world_size: int) -> tuple[list[Batch], list[list[int]]]:
+    """Rank `rank`'s share of a step, data parallel over `world_size` ranks.
+
+    micro_batches: the step's distinct micro-batches; updates: per optimizer update,
+    its micro-batches (indices into `micro_batches`). Rank r takes micro-batches r,
+    r + world_size, ... of each update. A rank left short gets a token-less pad (the
+    update's first micro-batch with loss mask 0; one pad per distinct first
+    micro-batch, so an epoch's repeat of an update reuses it), so every rank runs as
+    many forward/backward passes per update and their gradient all-reduces pair up
+    (engine_deepspeed.TrainEngine.train_step). Returns (the rank's micro-batches, in
+    order of first use, pads included; per update, indices into them). Raises
+    ValueError for a rank outside [0, world_size).
+    """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of {world_size}: must be in [0, {world_size})")
-    out = []
-    pads: dict[int, Batch] = {}  # one pad per first micro-batch: epochs repeat the same updates
-    for u in map(list, updates):
-        mine = u[rank::world_size]
-        if u:
-            if id(u[0]) not in pads:
-                pads[id(u[0])] = u[0]._replace(loss_mask=torch.zeros_like(u[0].loss_mask))
-            mine += [pads[id(u[0])]] * (-(-len(u) // world_size) - len(mine))
-        out.append(mine)
-    return out
+    mine: list[Batch] = []
+    local: dict[int, int] = {}  # index in `micro_batches` -> index in `mine`
+    pads: dict[int, int] = {}   # first micro-batch's index -> its pad's index in `mine`
+    out: list[list[int]] = []
+    for u in updates:
+        per_rank = -(-len(u) // world_size)  # the most micro-batches of `u` any rank holds
+        share = []
+        for i in u[rank::world_size]:
+            if i not in local:
+                local[i] = len(mine)
+                mine.append(micro_batches[i])
+            share.append(local[i])
+        if len(share) < per_rank:
+            if u[0] not in pads:
+                pads[u[0]] = len(mine)
+                first = micro_batches[u[0]]
+                mine.append(first._replace(loss_mask=torch.zeros_like(first.loss_mask)))
+            share += [pads[u[0]]] * (per_rank - len(share))
+        out.append(share)
+    return mine, out
 
 
 def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], micro_batch_size: int,
@@ -321,23 +337,36 @@ def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], 
                         None if exclude is None else [exclude[i] for i in idx]) for idx in groups]
 
 
-def update_plan(episodes: Sequence[int], mini_batches: int, epochs: int, seed: int) -> list[list[int]]:
+class MiniBatchPlan(NamedTuple):
+    """A step's optimizer updates over its episodes.
+
+    mini_batches: [k] lists of episode indices, the distinct mini-batches
+    updates:      [epochs * k] the mini-batch (index into `mini_batches`) each update
+                  trains on, in order
+    """
+
+    mini_batches: list[list[int]]
+    updates: list[int]
+
+
+def update_plan(episodes: Sequence[int], mini_batches: int, epochs: int, seed: int) -> MiniBatchPlan:
     """Which episodes each optimizer update of a step trains on: `epochs` passes over
     the episodes, each split into `mini_batches` updates of near-equal size (PPO's
     epochs and mini-batches, arXiv 1707.06347 Alg. 1; verl's ppo_epochs and
     ppo_mini_batch_size). The episodes are shuffled once per step, by a generator
-    seeded with `seed` (deterministic), and every epoch reuses the same mini-batches
-    (so their micro-batches are built once). Returns [epochs * k] lists of episode
-    indices, k = min(mini_batches, len(episodes)); [] for no episode.
+    seeded with `seed` (deterministic), and every epoch trains on the same k =
+    min(mini_batches, len(episodes)) mini-batches, in the same order (so their
+    micro-batches are built once): updates are [0, ..., k - 1] `epochs` times. No
+    episode: no mini-batch and no update.
     """
     if not episodes:
-        return []
+        return MiniBatchPlan([], [])
     g = torch.Generator().manual_seed(seed)
     perm = ([episodes[i] for i in torch.randperm(len(episodes), generator=g).tolist()] if mini_batches > 1
             else list(episodes))
     k = min(mini_batches, len(perm))
     parts = [perm[j * len(perm) // k:(j + 1) * len(perm) // k] for j in range(k)]
-    return [p for _ in range(epochs) for p in parts]
+    return MiniBatchPlan(parts, [j for _ in range(epochs) for j in range(k)])
 
 
 def policy_tokens(traj: Trajectory) -> int:
@@ -347,16 +376,26 @@ def policy_tokens(traj: Trajectory) -> int:
 
 
 class PlannedUpdate(NamedTuple):
-    """One optimizer update of a step: the episodes it forwards, its loss's normalizers
-    and the fraction of the step's updates done before it (for the lr schedule)."""
+    """One optimizer update of a step: the mini-batch it forwards (an index into
+    UpdatePlan.mini_batches), its loss's normalizers and the fraction of the step's
+    updates done before it (for the lr schedule)."""
 
-    episodes: list[int]
+    mini_batch: int
     totals: AggTotals
     progress: float
 
 
+class UpdatePlan(NamedTuple):
+    """plan_updates' answer. mini_batches: the episodes each distinct mini-batch
+    forwards (none empty); updates: the optimizer updates, in order (an epoch repeats
+    the same mini-batch indices)."""
+
+    mini_batches: list[list[int]]
+    updates: list[PlannedUpdate]
+
+
 def plan_updates(trainable: Sequence[int], skipped: Sequence[bool], tokens: Sequence[int], mini_batches: int,
-                 epochs: int, seed: int, max_len: float) -> list[PlannedUpdate]:
+                 epochs: int, seed: int, max_len: float) -> UpdatePlan:
     """The step's optimizer updates with the zero-variance groups left out of the
     forward but not out of the loss's normalizers.
 
@@ -370,21 +409,25 @@ def plan_updates(trainable: Sequence[int], skipped: Sequence[bool], tokens: Sequ
     GRPOTrainer, which forwards them, normalizes its "dapo"/token-mean loss over the
     whole batch likewise). Leaving them out of the normalizers would instead scale a step's
     gradient by 1 / (the fraction of its tokens with signal), up to 8x at 1 group of 8
-    with signal. Updates left with no episode are dropped: their gradient is 0 and an
-    AdamW step would still move the weights by momentum. An epoch reuses its first
-    pass's `episodes` lists (the same objects), so their micro-batches can be built once.
+    with signal. Mini-batches left with no episode are dropped, and their updates with
+    them: their gradient is 0 and an AdamW step would still move the weights by momentum.
     Raises ValueError when skipped or tokens do not cover an episode.
     """
     if any(i >= len(skipped) or i >= len(tokens) for i in trainable):
         raise ValueError(f"skipped ({len(skipped)}) and tokens ({len(tokens)}) must cover every episode")
     plan = update_plan(trainable, mini_batches, epochs, seed)
-    kept: dict[int, list[int]] = {}
-    out: list[PlannedUpdate] = []
-    for j, part in enumerate(plan):
-        if id(part) not in kept:
-            kept[id(part)] = [i for i in part if not skipped[i]]
-        if kept[id(part)]:
+    forwarded: list[list[int]] = []
+    index: dict[int, int] = {}  # update_plan's mini-batch -> its index in `forwarded`
+    for j, part in enumerate(plan.mini_batches):
+        kept = [i for i in part if not skipped[i]]
+        if kept:
+            index[j] = len(forwarded)
+            forwarded.append(kept)
+    updates = []
+    for n, j in enumerate(plan.updates):
+        if j in index:
+            part = plan.mini_batches[j]
             totals = AggTotals(tokens=float(sum(tokens[i] for i in part)),
                                seqs=float(sum(1 for i in part if tokens[i] > 0)), max_len=float(max_len))
-            out.append(PlannedUpdate(kept[id(part)], totals, j / len(plan)))
-    return out
+            updates.append(PlannedUpdate(index[j], totals, n / len(plan.updates)))
+    return UpdatePlan(forwarded, updates)

@@ -247,26 +247,26 @@ class TrainEngine:
         self.engine.train()
         return out
 
-    def train_step(self, updates: Sequence[Sequence[Batch]], totals: Sequence[AggTotals],
-                   lrs: Sequence[float] | None = None) -> dict[str, float]:
-        """The optimizer updates of one training step.
+    def train_step(self, micro_batches: Sequence[Batch], updates: Sequence[Sequence[int]],
+                   totals: Sequence[AggTotals], lrs: Sequence[float] | None = None) -> dict[str, float]:
+        """The optimizer updates of one training step: a step.StepPlan (a rank's shard of
+        it, data parallel: batching.shard_updates).
 
-        updates: one list of micro-batches per optimizer update (ppo_epochs passes over
-        mini_batches updates; an epoch repeats the same Batch objects); totals: each
-        update's AggTotals (its loss's normalizers, loss.aggregation_weights: micro-batch
-        losses add up to the update's loss); lrs: each update's learning rate (the
-        job's schedule; None keeps the optimizer's). The objective is loss.policy_loss
-        with the job's LossConfig. When the behaviour correction is on (rollout_is), the
-        proximal logprobs are the policy's before the step: the current ones, detached,
-        with a single update; recomputed once per micro-batch before the first update
-        otherwise (AReaL arXiv 2505.24298 §4, decoupled PPO).
-        Returns loss (mean over updates), grad_norm (the last update's, before
-        clipping), entropy, clip_frac, approx_kl, kl, is_weight_mean, is_capped_frac,
-        mismatch_kl (token means over every pass), tokens (policy tokens in one pass),
-        updates, fwd_bwd_s, optimizer_s (seconds). No update, or none with a policy
-        token: nothing changes and zeros are returned (an AdamW step on zero gradients
-        would still move the weights, by momentum).
-        Raises ValueError when totals (or lrs) do not match updates.
+        micro_batches: the step's distinct micro-batches; updates: per optimizer update,
+        its micro-batches as indices into `micro_batches` (each epoch repeats the same
+        indices); totals: each update's AggTotals (its loss's normalizers,
+        loss.aggregation_weights: micro-batch losses add up to the update's loss); lrs:
+        each update's learning rate (the job's schedule; None keeps the optimizer's). The
+        objective is loss.policy_loss with the job's LossConfig. When the behaviour
+        correction is on (rollout_is), the proximal logprobs are the policy's before the
+        step: the current ones, detached, with a single update; otherwise recomputed once
+        per micro-batch before the first update (AReaL arXiv 2505.24298 §4, decoupled PPO).
+        Returns loss (mean over updates), grad_norm (the last update's, before clipping),
+        entropy, clip_frac, approx_kl, kl, is_weight_mean, is_capped_frac, mismatch_kl
+        (token means over every pass), tokens (policy tokens in one pass), updates,
+        fwd_bwd_s, optimizer_s (seconds). No update, or none with a policy token: nothing
+        changes and zeros are returned (an AdamW step on zero gradients would still move the
+        weights, by momentum). Raises ValueError when totals (or lrs) do not match updates.
         """
         if len(totals) != len(updates) or (lrs is not None and len(lrs) != len(updates)):
             raise ValueError(f"{len(updates)} updates, {len(totals)} totals, {len(lrs or [])} lrs")
@@ -277,23 +277,23 @@ class TrainEngine:
                     fwd_bwd_s=0.0, optimizer_s=0.0)
         lrs = list(lrs) if lrs is not None else [None] * len(updates)
         if self.world_size > 1:
-            # data parallel: this rank's shard (batching.shard_updates: every rank holds
-            # as many micro-batches of each update, a token-less one included, so their
-            # backward passes pair up); an update is kept when any rank has a policy token
-            # (on the device: nccl reduces CUDA tensors only)
-            counts = torch.tensor([float(sum(b.num_tokens for b in u)) for u in updates], device=self.device)
+            # data parallel: every rank's shard holds as many micro-batches of each update,
+            # so their backward passes pair up; an update is kept when any rank has a policy
+            # token (on the device: nccl reduces CUDA tensors only)
+            counts = torch.tensor([float(sum(micro_batches[i].num_tokens for i in u)) for u in updates],
+                                  device=self.device)
             torch.distributed.all_reduce(counts)
             kept = [(u, tot, lr) for u, tot, lr, c in zip(updates, totals, lrs, counts.tolist()) if u and c > 0]
         else:
-            updates = [[b for b in u if b.num_tokens > 0] for u in updates]
+            updates = [[i for i in u if micro_batches[i].num_tokens > 0] for u in updates]
             kept = [(u, tot, lr) for u, tot, lr in zip(updates, totals, lrs) if u]
         if not kept:
             return zero
-        prox: dict[int, torch.Tensor] = {}
+        prox: list[torch.Tensor | None] = [None] * len(micro_batches)  # recomputed proximal logprobs
         if cfg.rollout_is != "none" and len(kept) > 1:
-            unique = list({id(b): b for u, _, _ in kept for b in u}.values())
-            for b, lp in zip(unique, self.sequence_logprobs(unique, reference=False)):
-                prox[id(b)] = lp
+            used = list(dict.fromkeys(i for u, _, _ in kept for i in u))
+            for i, lp in zip(used, self.sequence_logprobs([micro_batches[i] for i in used], reference=False)):
+                prox[i] = lp
         sums = dict(loss=0.0, clipped=0.0, approx_kl=0.0, kl=0.0, entropy=0.0, is_w=0.0, is_capped=0.0,
                     mismatch=0.0, tokens=0.0)
         t_fb = t_opt = 0.0
@@ -302,9 +302,9 @@ class TrainEngine:
         for u, tot, lr in kept:
             if lr is not None:
                 self.set_lr(lr)
-            for k, mb0 in enumerate(u):
+            for k, i in enumerate(u):
                 last = k == len(u) - 1
-                mb = mb0.to(self.device)
+                mb = micro_batches[i].to(self.device)
                 self.engine.set_gradient_accumulation_boundary(last)
                 t0 = time.perf_counter()
                 ref = self._ref_logprobs(mb, temperature) if cfg.kl_coef > 0 else None
@@ -313,7 +313,7 @@ class TrainEngine:
                     logp, entropy = self._logprobs(self.engine, mb, temperature, entropy_grad=cfg.entropy_coef > 0)
                     lp_prox = None
                     if cfg.rollout_is != "none":
-                        lp_prox = prox[id(mb0)].to(self.device) if prox else logp.detach()
+                        lp_prox = prox[i].to(self.device) if prox[i] is not None else logp.detach()
                     out = policy_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, cfg,
                                       weights=aggregation_weights(mb.loss_mask, cfg.loss_agg, tot),
                                       logp_prox=lp_prox, logp_ref=ref, entropy=entropy)

@@ -3,14 +3,14 @@ state (see service.py for the subjects it reads and writes; lifecycle.py for wha
 shares with SFT: events, fencing, weights, checkpoints, run lineage).
 
 Per step: ask for rollouts (at most max_staleness + 1 steps in flight), wait for every
-group of the step, train one optimizer step (loss.py; episode- or turn-level credit),
-publish the new weights and the step's metrics, evaluate when due (evaluation.py),
-checkpoint every `checkpoint_every` steps (checkpoint.py), repeat. A new job (no
-checkpoint) asks for its first steps, sampled by the base model, before its engine is
-built, so the rollout worker starts its own engine meanwhile. Which trajectories
-are held, seen, used or skipped, each group's attempt and the stream position a
-checkpoint records live in the run's ledger (ledger.py); this module does the NATS
-side: requests, fetches, acks, dead letters.
+group of the step, train one step (step.py plans it: advantages, updates, micro-batches;
+the engine runs it), publish the new weights and the step's metrics, evaluate when due
+(evaluation.py), checkpoint every `checkpoint_every` steps (checkpoint.py), repeat. A
+new job (no checkpoint) asks for its first steps, sampled by the base model, before its
+engine is built, so the rollout worker starts its own engine meanwhile. Which
+trajectories are held, seen, used or skipped, each group's attempt and the stream
+position a checkpoint records live in the run's ledger (ledger.py); this module does the
+NATS side: requests, fetches, acks, dead letters.
 
 Bounded waits. A group that is not complete `spec.rollout_timeout_s` after it was asked
 for is asked again (a dead-lettered request, a lost worker), and a group whose every
@@ -34,26 +34,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import torch
 from nats.aio.msg import Msg
 
 from opentinker.schemas import JobAssigned, RolloutRequest, Trajectory
 from opentinker.schemas import subjects as S
-from opentinker.schemas.job import max_generated_tokens
 from opentinker.schemas.rollout import SEATS_MISMATCH
 from opentinker.schemas.stats import derived_seed, episode_stats, lag_stats, seat_stats
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.learner import checkpoint
-from opentinker.services.learner.batching import (Batch, StepAdvantages, build_batch, check_trajectory,
-                                                  micro_batch_indices, micro_batches, plan_updates, policy_tokens,
-                                                  step_advantages)
+from opentinker.services.learner.batching import check_trajectory
 from opentinker.services.learner.evaluation import Evaluator
 from opentinker.services.learner.ledger import Delivery, StepStats, TrajectoryLedger, by_seat, seats_complete
-from opentinker.services.learner.loss import kl_estimate, lr_factor, overlong_penalty
 # SERVICE and JobStopped are imported from here too (service.py)
 from opentinker.services.learner.lifecycle import SERVICE, JobStopped, RunLifecycle  # noqa: F401
+from opentinker.services.learner.step import plan_step
 
 log = logging.getLogger("opentinker.learner")
 
@@ -450,73 +446,15 @@ class JobRun(RunLifecycle):
 
     # -- training ---------------------------------------------------------------
 
-    def reward_bonus(self, trajs: list[Trajectory]) -> list[float] | None:
-        """What each episode's reward gains before the advantages: DAPO's soft overlong
-        penalty (loss.overlong_penalty) and, with `kl_in_reward`, -kl_coef times the
-        episode's summed KL estimate of the sampler's tokens to the reference (verl's
-        use_kl_in_reward; Ouyang et al. 2022, arXiv 2203.02155 eq. 2). None: no bonus."""
-        spec = self.spec
-        bonus = [0.0] * len(trajs)
-        if spec.overlong_buffer > 0:
-            budget = max_generated_tokens(spec)
-            bonus = [b + overlong_penalty(sum(t.loss_mask), budget, spec.overlong_buffer, spec.overlong_penalty)
-                     for b, t in zip(bonus, trajs)]
-        if spec.kl_in_reward and spec.kl_coef > 0:
-            idx = micro_batch_indices([len(t.token_ids) for t in trajs], spec.micro_batch_size, spec.micro_batch_tokens)
-            batches = [build_batch([trajs[i] for i in part], [0.0] * len(part), self.engine.pad_id) for part in idx]
-            for part, mb, ref in zip(idx, batches, self.engine.sequence_logprobs(batches, reference=True)):
-                kl = torch.where(mb.loss_mask > 0, kl_estimate(mb.logprobs, ref, spec.kl_estimator), 0.0).sum(dim=1)
-                for i, k in zip(part, kl.tolist()):
-                    bonus[i] -= spec.kl_coef * k
-        return bonus if any(bonus) else None
-
-    def advantages(self, trajs: list[Trajectory]) -> StepAdvantages:
-        """Per-episode or per-token advantages (batching.step_advantages with the job's
-        estimator, reward bonus and overlong filter), trajs in group order."""
-        spec = self.spec
-        mask_out = None
-        if spec.overlong_filter:
-            mask_out = [bool(t.turns) and t.turns[-1].finish_reason == "length" for t in trajs]
-        if spec.opponents:  # another job's policy played these seats: measured, not trained
-            mask_out = [bool(t.policy_of) or bool(mask_out and mask_out[k]) for k, t in enumerate(trajs)]
-        # a multi-agent group is one GRPO group per seat (by_seat orders it so): each
-        # seat's return is normalized against the same seat of the group's other games
-        return step_advantages(trajs, spec.prompts_per_step * spec.agents, spec.group_size, spec.advantage,
-                               spec.turn_discount,
-                               spec.advantage_estimator, self.reward_bonus(trajs), mask_out)
-
     def _train_blocking(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """Advantages, then the step's optimizer updates (engine.train_step) over the
-        episodes that can move the policy. Not forwarded at all: excluded episodes
-        (errors, overlong-filtered) and, with skip_zero_variance and no KL or entropy
-        term, the groups whose advantages are all 0 (their policy gradient is exactly 0).
-        The skipped groups still count in the loss's normalizers (batching.plan_updates),
-        so skipping changes the compute and not the gradient."""
-        spec = self.spec
-        cfg = self.engine.loss_cfg
+        """The step's plan (step.plan_step: advantages, skipped and excluded episodes,
+        updates, micro-batches, learning rates), then its optimizer updates
+        (engine.train_step). Returns the engine's metrics and the plan's stats."""
         with tracing.span("learner.batch", attrs={"ot.episodes": len(trajs)}):
-            adv = self.advantages(trajs)
-            skip_zero = spec.skip_zero_variance and cfg.kl_coef == 0 and cfg.entropy_coef == 0
-            trainable = [i for i in range(len(trajs)) if not adv.excluded[i]]
-            skipped = [skip_zero and adv.zero_groups[i // spec.group_size] for i in range(len(trajs))]
-            plan = plan_updates(trainable, skipped, [policy_tokens(t) for t in trajs], spec.mini_batches,
-                                spec.ppo_epochs, derived_seed("update", spec.seed, self.step),
-                                max_generated_tokens(spec))
-            built: dict[int, list[Batch]] = {}
-            for u in plan:
-                if id(u.episodes) not in built:
-                    built[id(u.episodes)] = micro_batches([trajs[i] for i in u.episodes],
-                                                          [adv.advantages[i] for i in u.episodes],
-                                                          spec.micro_batch_size, self.engine.pad_id,
-                                                          max_tokens=spec.micro_batch_tokens)
-            updates = [built[id(u.episodes)] for u in plan]
-            totals = [u.totals for u in plan]
-            lrs = [spec.lr * lr_factor(self.step + u.progress, spec.steps, spec.lr_warmup_steps, spec.lr_schedule)
-                   for u in plan]
-            forwarded = len({i for u in plan for i in u.episodes})
-        out = self.engine.train_step(updates, totals, lrs)
-        return {**out, "excluded_frac": adv.excluded_frac, "zero_variance_frac": adv.zero_variance_frac,
-                "skipped_frac": 1.0 - forwarded / max(len(trajs), 1), "lr": lrs[0] if lrs else 0.0}
+            plan = plan_step(trajs, self.spec, self.step, self.engine.pad_id,
+                             lambda batches: self.engine.sequence_logprobs(batches, reference=True))
+        out = self.engine.train_step(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
+        return {**out, **plan.stats}
 
     async def train(self, groups: list[list[Held]]) -> None:
         with tracing.span("learner.step", attrs={"ot.job_id": self.job_id, "ot.step": self.step}):

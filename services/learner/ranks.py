@@ -128,8 +128,8 @@ class RankGroup:
     def sequence_logprobs(self, batches, reference: bool):
         return self._call("sequence_logprobs", batches, reference)
 
-    def train_step(self, updates, totals, lrs=None) -> dict[str, float]:
-        return self._call("train_step", updates, totals, lrs)
+    def train_step(self, micro_batches, updates, totals, lrs=None) -> dict[str, float]:
+        return self._call("train_step", micro_batches, updates, totals, lrs)
 
     def weights_bytes(self) -> bytes:
         return self._call("weights_bytes")
@@ -228,13 +228,15 @@ def _recv(conn: Connection) -> Any:
 
 
 def _payloads(msg: tuple, world_size: int) -> list[tuple]:
-    """What rank 0 scatters for one service message: a training step's updates split
-    into each rank's shard, anything else the same for every rank."""
+    """What rank 0 scatters for one service message: a training step split into each
+    rank's shard (its micro-batches, each update's indices into them), anything else
+    the same for every rank."""
     from opentinker.services.learner.batching import shard_updates
 
     if msg[0] == "call" and msg[1] == "train_step":
-        updates, totals, lrs = msg[2]
-        return [("call", "train_step", (shard_updates(updates, r, world_size), totals, lrs)) for r in range(world_size)]
+        micro_batches, updates, totals, lrs = msg[2]
+        return [("call", "train_step", (*shard_updates(micro_batches, updates, r, world_size), totals, lrs))
+                for r in range(world_size)]
     return [msg] * world_size
 
 

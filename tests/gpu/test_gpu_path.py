@@ -42,7 +42,7 @@ def _step(tiny_model: str, device: str, dtype: str = "float32") -> tuple[dict, t
         mbs = micro_batches(trajs, [1.0 if t.reward else -1.0 for t in trajs], 2, eng.pad_id)
         mbs = [b._replace(logprobs=lp.detach().cpu()) for b, lp in zip(mbs, eng.sequence_logprobs(mbs, False))]
         tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=7.0, max_len=32.0)
-        out = [eng.train_step([mbs], [tot], [spec.lr]) for _ in range(2)][-1]
+        out = [eng.train_step(mbs, [list(range(len(mbs)))], [tot], [spec.lr]) for _ in range(2)][-1]
         b = torch.cat([p.detach().float().cpu().flatten() for n, p in eng.module.named_parameters() if "lora_B" in n])
         return out, b
     finally:

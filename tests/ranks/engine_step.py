@@ -39,18 +39,18 @@ def main(model: str, out: Path, zero_stage: int, device: str = "cpu", mode: str 
     # sampled by this very policy: ratio and importance weight start at 1 (full gradients)
     mbs = [b._replace(logprobs=lp.detach()) for b, lp in zip(mbs, eng.sequence_logprobs(mbs, reference=False))]
     tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=float(len(trajs)), max_len=32.0)
-    mine = shard_updates([mbs], eng.rank, eng.world_size)
+    mine, updates = shard_updates(mbs, [list(range(len(mbs)))], eng.rank, eng.world_size)
     if mode == "resume":
         eng.load_state(checkpoint)
     # the second step uses Adam's state
-    steps = [eng.train_step(mine, [tot], [spec.lr]) for _ in range(1 if mode else 2)]
+    steps = [eng.train_step(mine, updates, [tot], [spec.lr]) for _ in range(1 if mode else 2)]
     if mode == "save":
         eng.save_state(checkpoint)
     weights = eng.weights_bytes()
     if eng.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps({"steps": steps, "world_size": eng.world_size,
-                                                      "micro_batches": [len(u) for u in mine]}))
+                                                      "micro_batches": [len(u) for u in updates]}))
         (out / "weights.safetensors").write_bytes(weights)
     eng.close()
 

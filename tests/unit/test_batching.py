@@ -329,40 +329,43 @@ def test_update_plan_epochs_and_mini_batches():
 
     episodes = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
     plan = update_plan(episodes, mini_batches=3, epochs=2, seed=7)
-    assert len(plan) == 6
-    assert plan[:3] == plan[3:]  # every epoch reuses the same mini-batches
-    assert sorted(len(p) for p in plan[:3]) == [3, 3, 4]
-    assert sorted(i for p in plan[:3] for i in p) == episodes  # each episode once per epoch
+    assert len(plan.mini_batches) == 3 and plan.updates == [0, 1, 2, 0, 1, 2]  # every epoch reuses them
+    assert sorted(len(p) for p in plan.mini_batches) == [3, 3, 4]
+    assert sorted(i for p in plan.mini_batches for i in p) == episodes  # each episode once per epoch
     assert update_plan(episodes, 3, 2, seed=7) == plan  # deterministic
     others = [update_plan(episodes, 3, 2, seed=s) for s in (1, 2, 3)]
     assert any(o != plan for o in others)  # the seed shuffles
-    assert plan[0] + plan[1] + plan[2] != episodes  # shuffled, not in order
+    assert [i for p in plan.mini_batches for i in p] != episodes  # shuffled, not in order
     # one mini-batch: the whole step, in order, once per epoch
-    assert update_plan(episodes, 1, 3, seed=7) == [episodes] * 3
+    assert update_plan(episodes, 1, 3, seed=7) == ([episodes], [0, 0, 0])
     # more mini-batches than episodes: one episode each
     small = update_plan([4, 5, 6], 8, 1, seed=0)
-    assert sorted(small) == [[4], [5], [6]]
-    assert update_plan([], 2, 2, seed=0) == []
+    assert sorted(small.mini_batches) == [[4], [5], [6]] and small.updates == [0, 1, 2]
+    assert update_plan([], 2, 2, seed=0) == ([], [])
 
 
 def test_data_parallel_shards_split_each_update_evenly_and_pad_with_token_less_batches():
     eps = [traj([1, 2, 3, 4 + i], [0, 1, 1, 1], [0.0, -1.0, -1.0, -1.0], episode=f"e{i}") for i in range(5)]
     mbs = micro_batches(eps, [1.0] * 5, 1, 0)  # 5 micro-batches of one episode
-    updates = [mbs, mbs[:2], []]
-    shards = [shard_updates(updates, r, 2) for r in range(2)]
-    assert [[len(u) for u in sh] for sh in shards] == [[3, 1, 0], [3, 1, 0]]  # as many on each rank
+    updates = [[0, 1, 2, 3, 4], [0, 1], []]
+    shards = [shard_updates(mbs, updates, r, 2) for r in range(2)]
+    assert [[len(u) for u in up] for _, up in shards] == [[3, 1, 0], [3, 1, 0]]  # as many on each rank
     # every micro-batch on exactly one rank; rank 1's third is a pad holding no policy token
-    assert [id(b) for b in shards[0][0]] == [id(mbs[0]), id(mbs[2]), id(mbs[4])]
-    assert [id(b) for b in shards[1][0][:2]] == [id(mbs[1]), id(mbs[3])]
-    pad = shards[1][0][2]
+    (mine0, up0), (mine1, up1) = shards
+    assert [mine0[i].input_ids[0, 3] for i in up0[0]] == [4, 6, 8] and up0[1] == [up0[0][0]]
+    assert [mine1[i].input_ids[0, 3] for i in up1[0][:2]] == [5, 7] and up1[1] == [up1[0][0]]
+    pad = mine1[up1[0][2]]
     assert pad.num_tokens == 0 and torch.equal(pad.input_ids, mbs[0].input_ids)
-    assert sum(b.num_tokens for sh in shards for b in sh[0]) == sum(b.num_tokens for b in mbs)
-    # an epoch repeats an update's Batch objects: the pad is one object for both
-    again = shard_updates([mbs, mbs], 1, 2)
-    assert again[0][2] is again[1][2]
-    assert shard_updates(updates, 0, 1) == [mbs, mbs[:2], []]  # one rank: everything
+    assert len(mine0) == 3 and len(mine1) == 3  # each rank holds its share once, and its pad as an entry
+    assert sum(mine[i].num_tokens for mine, up in shards for i in up[0]) == sum(b.num_tokens for b in mbs)
+    # an epoch repeats an update's indices: one pad entry serves both
+    mine, again = shard_updates(mbs, [[0, 1, 2], [0, 1, 2]], 1, 2)
+    assert again[0] == again[1] and len(mine) == 2 and mine[again[0][1]].num_tokens == 0
+    # one rank: everything
+    mine, whole = shard_updates(mbs, updates, 0, 1)
+    assert whole == updates and len(mine) == 5 and all(a is b for a, b in zip(mine, mbs))
     with pytest.raises(ValueError, match="rank 2 of 2"):
-        shard_updates(updates, 2, 2)
+        shard_updates(mbs, updates, 2, 2)
 
 
 def test_plan_updates_skip_the_forward_not_the_normalizer():
@@ -374,26 +377,29 @@ def test_plan_updates_skip_the_forward_not_the_normalizer():
     skipped = [False, False, True, True, False, False, True, True]
     trainable = [0, 1, 2, 3, 4, 6, 7]
     one = plan_updates(trainable, skipped, tokens, 1, 1, seed=0, max_len=32)
-    assert len(one) == 1 and one[0].episodes == [0, 1, 4] and one[0].progress == 0.0
+    assert one.mini_batches == [[0, 1, 4]] and len(one.updates) == 1
+    assert one.updates[0].mini_batch == 0 and one.updates[0].progress == 0.0
     # the normalizers are the whole step's (29 tokens in 7 sequences), not the 14 tokens
     # of the 3 forwarded episodes: the loss is that of the update with the skipped
     # episodes forwarded (their terms are 0), so the gradient is too
-    assert one[0].totals.tokens == 29.0 and one[0].totals.seqs == 7.0 and one[0].totals.max_len == 32.0
+    totals = one.updates[0].totals
+    assert totals.tokens == 29.0 and totals.seqs == 7.0 and totals.max_len == 32.0
     # mini-batches and epochs: the plan is made over every trainable episode, then
     # each update forwards its unskipped ones and counts them all
     full = update_plan(trainable, 3, 2, seed=5)
     plan = plan_updates(trainable, skipped, tokens, 3, 2, seed=5, max_len=32)
-    kept = [(j, [i for i in p if not skipped[i]]) for j, p in enumerate(full)]
-    assert [u.episodes for u in plan] == [k for _, k in kept if k]
-    assert [u.progress for u in plan] == [j / 6 for j, k in kept if k]
-    for u, (j, _) in zip(plan, [x for x in kept if x[1]]):
-        assert u.totals.tokens == sum(tokens[i] for i in full[j])
-    n = len(plan) // 2
-    assert all(a.episodes is b.episodes for a, b in zip(plan[:n], plan[n:]))  # built once per epoch
+    kept = [(n, [i for i in full.mini_batches[j] if not skipped[i]], j) for n, j in enumerate(full.updates)]
+    assert [plan.mini_batches[u.mini_batch] for u in plan.updates] == [k for _, k, _ in kept if k]
+    assert [u.progress for u in plan.updates] == [n / 6 for n, k, _ in kept if k]
+    for u, (_, _, j) in zip(plan.updates, [x for x in kept if x[1]]):
+        assert u.totals.tokens == sum(tokens[i] for i in full.mini_batches[j])
+    n = len(plan.updates) // 2
+    assert [u.mini_batch for u in plan.updates[:n]] == [u.mini_batch for u in plan.updates[n:]]  # built once
+    assert all(plan.mini_batches) and len(plan.mini_batches) == n  # only mini-batches something forwards
     # a zero-length episode counts no sequence
-    assert plan_updates([0, 1], [False, True], [4, 0], 1, 1, 0, 8)[0].totals.seqs == 1.0
+    assert plan_updates([0, 1], [False, True], [4, 0], 1, 1, 0, 8).updates[0].totals.seqs == 1.0
     # nothing with signal: no update at all
-    assert plan_updates(trainable, [True] * 8, tokens, 2, 2, seed=0, max_len=32) == []
+    assert plan_updates(trainable, [True] * 8, tokens, 2, 2, seed=0, max_len=32) == ([], [])
     with pytest.raises(ValueError, match="cover"):
         plan_updates([0, 9], skipped, tokens, 1, 1, 0, 32)
     # policy tokens as build_batch counts them: the first token is never one

@@ -130,7 +130,7 @@ def test_a_bfloat16_engine_accumulates_in_float32_and_updates_once(tiny_model, r
         mbs = micro_batches(trajs, [1.0, -1.0, 1.0, -1.0], 1, eng.pad_id)  # 4 micro-batches, one update
         tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=4.0, max_len=32.0)
         before, steps0 = _params(eng), eng.engine.global_steps
-        out = eng.train_step([mbs], [tot], [1e-3])
+        out = eng.train_step(mbs, [[0, 1, 2, 3]], [tot], [1e-3])
         assert eng.engine.global_steps == steps0 + 1 and out["grad_norm"] > 0
         assert not torch.equal(before, _params(eng))
     finally:
@@ -145,7 +145,7 @@ def test_one_optimizer_update_per_planned_update(tiny_model, rank_env):
         mbs = micro_batches(trajs, adv, 1, eng.pad_id)  # 4 micro-batches, one update
         tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=4.0, max_len=32.0)
         before, steps0 = _params(eng), eng.engine.global_steps
-        out = eng.train_step([mbs], [tot], [1e-3])
+        out = eng.train_step(mbs, [[0, 1, 2, 3]], [tot], [1e-3])
         assert eng.engine.global_steps == steps0 + 1 and out["updates"] == 1.0
         assert "kl" not in out  # kl_coef 0: no reference, so no KL to it (not a 0 that reads as one)
         assert out["grad_norm"] > 0 and not torch.equal(before, _params(eng))
@@ -153,17 +153,17 @@ def test_one_optimizer_update_per_planned_update(tiny_model, rank_env):
         # pi_prox / pi_behav of the sampler's logprobs (-2.0 here) and the gap is measured
         assert out["mismatch_kl"] > 0 and out["is_weight_mean"] > 0
         # two updates (mini-batches): two optimizer steps, the proximal logprobs computed once
-        halves = [mbs[:2], mbs[2:]]
-        tots = [AggTotals(float(sum(b.num_tokens for b in h)), 2.0, 32.0) for h in halves]
-        out2 = eng.train_step(halves, tots, [1e-3, 5e-4])
+        halves = [[0, 1], [2, 3]]
+        tots = [AggTotals(float(sum(mbs[i].num_tokens for i in h)), 2.0, 32.0) for h in halves]
+        out2 = eng.train_step(mbs, halves, tots, [1e-3, 5e-4])
         assert eng.engine.global_steps == steps0 + 3 and out2["updates"] == 2.0
         assert eng.engine.optimizer.param_groups[0]["lr"] == 5e-4
         # nothing to train: no step, no change (AdamW momentum would still move them)
         frozen = _params(eng)
-        assert eng.train_step([], [], [])["updates"] == 0.0
+        assert eng.train_step([], [], [], [])["updates"] == 0.0
         assert eng.engine.global_steps == steps0 + 3 and torch.equal(frozen, _params(eng))
         with pytest.raises(ValueError, match="totals"):
-            eng.train_step(halves, tots[:1])
+            eng.train_step(mbs, halves, tots[:1])
     finally:
         eng.close()
 
@@ -184,16 +184,18 @@ def test_skipping_zero_variance_groups_leaves_the_update_unchanged(tiny_model, r
         eng = _engine(tiny_model, max_grad_norm=1e6)
         try:
             mbs = micro_batches(trajs, first, 2, eng.pad_id)
-            eng.train_step([mbs], [AggTotals(float(sum(tokens)), 4.0, 32.0)], [1e-3])
+            eng.train_step(mbs, [[0, 1]], [AggTotals(float(sum(tokens)), 4.0, 32.0)], [1e-3])
             if way == "forward all":
                 mbs = micro_batches(trajs, adv, 2, eng.pad_id)
-                eng.train_step([mbs], [AggTotals(float(sum(tokens)), 4.0, 32.0)], [1e-3])
+                eng.train_step(mbs, [[0, 1]], [AggTotals(float(sum(tokens)), 4.0, 32.0)], [1e-3])
             else:
-                (u,) = plan_updates([0, 1, 2, 3], [False, False, True, True], tokens, 1, 1, 0, 32)
-                assert u.episodes == [0, 1]
+                plan = plan_updates([0, 1, 2, 3], [False, False, True, True], tokens, 1, 1, 0, 32)
+                (u,) = plan.updates
+                episodes = plan.mini_batches[u.mini_batch]
+                assert episodes == [0, 1]
                 totals = u.totals if way == "skip" else AggTotals(float(tokens[0] + tokens[1]), 2.0, 32.0)
-                mbs = micro_batches([trajs[i] for i in u.episodes], [adv[i] for i in u.episodes], 2, eng.pad_id)
-                eng.train_step([mbs], [totals], [1e-3])
+                mbs = micro_batches([trajs[i] for i in episodes], [adv[i] for i in episodes], 2, eng.pad_id)
+                eng.train_step(mbs, [list(range(len(mbs)))], [totals], [1e-3])
             ends[way] = _params(eng)
         finally:
             eng.close()
@@ -207,7 +209,7 @@ def test_a_kl_term_reports_the_kl_to_the_reference(tiny_model, rank_env):
         trajs = [_traj(i, 4 + i, 3, float(i % 2)) for i in range(4)]
         mbs = micro_batches(trajs, [1.0, -1.0, 1.0, -1.0], 1, eng.pad_id)
         tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=4.0, max_len=32.0)
-        assert eng.train_step([mbs], [tot], [1e-3])["kl"] == 0.0  # the policy is still the reference
-        assert eng.train_step([mbs], [tot], [1e-3])["kl"] > 0  # one update later it is not
+        assert eng.train_step(mbs, [[0, 1, 2, 3]], [tot], [1e-3])["kl"] == 0.0  # the policy is still the reference
+        assert eng.train_step(mbs, [[0, 1, 2, 3]], [tot], [1e-3])["kl"] > 0  # one update later it is not
     finally:
         eng.close()
