@@ -57,6 +57,7 @@ DLQ_HEADER_CHARS = 1024  # of each header's name and of its value
 DLQ_REASON_CHARS = 8192
 JS_STORAGE_EXHAUSTED = 10047  # JetStream's err_code: "insufficient storage resources available"
 JS_NO_PEERS = 10005  # "no suitable peers for placement": a cluster node is still joining (or down)
+JS_STREAM_NOT_FOUND = 10059  # also, briefly, a stream just created, asked of a node that has not seen it yet
 PLACEMENT_WAIT_S = 120.0  # how long creating a replicated stream waits for the cluster's nodes
 KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS, S.KV_TINKER, S.KV_ENVS)
 
@@ -208,10 +209,9 @@ class Bus:
             await self.js.update_stream(cfg)
 
     async def _place(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any:
-        """`await fn(...)` creating or resizing a stream, KV bucket or object store: in a
-        cluster whose nodes have not all joined yet (JS_NO_PEERS, or a timeout while a
-        node restarts) it is retried for up to PLACEMENT_WAIT_S, then raised."""
-        async for attempt in retrying(f"{self.service}: {what}", PLACEMENT_WAIT_S, (JS_NO_PEERS,)):
+        """`await fn(...)` making, reading or resizing a stream just made, retried for up to
+        PLACEMENT_WAIT_S while a cluster's nodes have not all joined (JS_NO_PEERS, timeouts) or seen it."""
+        async for attempt in retrying(f"{self.service}: {what}", PLACEMENT_WAIT_S, (JS_NO_PEERS, JS_STREAM_NOT_FOUND)):
             with attempt:
                 return await fn(*args, **kw)
 
@@ -232,7 +232,7 @@ class Bus:
     async def _converge(self, stream: str, **want: Any) -> None:
         """Update the config of `stream` (a KV bucket's or object store's, made before,
         perhaps by an older version) to the `want`ed StreamConfig fields."""
-        info = await self._retry(f"read {stream} config", self.js.stream_info, stream)
+        info = await self._place(f"read {stream} config", self.js.stream_info, stream)
         if any(getattr(info.config, k) != v for k, v in want.items()):
             await self._place(f"update {stream}", self.js.update_stream, dataclasses.replace(info.config, **want))
 
