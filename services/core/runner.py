@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -12,12 +14,18 @@ from opentinker.services.core.bus import Bus, install_signal_handlers
 from opentinker.services.core.config import Settings, main_settings, thread_count, thread_env
 
 Body = Callable[[Settings, Bus, asyncio.Event], Awaitable[None]]
+log = logging.getLogger("opentinker.runner")
+# After SIGTERM, how long a service's work may take to wind down before it is cancelled:
+# a bus call retried across a NATS outage (bus.RETRY_FOR_S) would otherwise hold the
+# process for minutes, past any orchestrator's stop timeout.
+STOP_GRACE_S = 5.0  # so that a service stops within docker stop's default 10 s
 
 
 def run_service(service: str, body: Body, argv: list[str] | None = None) -> None:
     """Parse settings, set the thread count (limit_threads), connect to NATS, create the
     topology, run `body` until SIGINT/SIGTERM sets the stop event, then flush and close
-    the connection (Bus.close)."""
+    the connection (Bus.close); `body` still running STOP_GRACE_S after the signal is
+    cancelled."""
     settings = main_settings(service, argv)
     limit_threads(service, settings)
     tracing.setup(service)
@@ -29,7 +37,7 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
         try:
             await bus.ensure_topology(settings.stream_max_bytes_scale, settings.stream_max_age_scale,
                                       settings.nats_replicas)
-            await body(settings, bus, stop)
+            await run_until_stopped(body(settings, bus, stop), stop, STOP_GRACE_S, service)
         finally:
             await bus.close()
 
@@ -37,6 +45,28 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
         asyncio.run(_main())
     finally:
         tracing.shutdown()
+
+
+async def run_until_stopped(work: Awaitable[None], stop: asyncio.Event, grace_s: float, service: str) -> None:
+    """Await `work`; once `stop` is set, give it `grace_s` seconds more to finish, then
+    cancel it. Raises what `work` raises (not its cancellation)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and not (await asyncio.wait({task}, timeout=grace_s))[0]:
+            log.warning("%s: still winding down %.0f s after the stop signal; cancelled", service, grace_s)
+            for _ in range(3):  # its cleanup may wait on the bus again: cancel that too
+                task.cancel()
+                if (await asyncio.wait({task}, timeout=5.0))[0]:
+                    break
+            if task.done() and not task.cancelled():
+                with contextlib.suppress(asyncio.CancelledError):
+                    task.result()
+            return
+        task.result()
+    finally:
+        stopped.cancel()
 
 
 def limit_threads(service: str, settings: Settings) -> int | None:

@@ -9,6 +9,7 @@ the rollout process."""
 
 import asyncio
 import signal
+import subprocess
 import time
 
 import pytest
@@ -49,5 +50,41 @@ async def test_a_nats_server_restart_mid_job_costs_time_not_the_job(tmp_path, ho
         assert in_log == on_stream > 0  # every trajectory the stream holds is in the log
     finally:
         await client.close()
+        services.stop_all()
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_every_service_stops_on_sigterm_while_the_nats_server_is_gone(tmp_path, home, monkeypatch):
+    """SIGTERM with no server to talk to: each service's work, stuck retrying a bus call
+    (for up to bus.RETRY_FOR_S), is cancelled STOP_GRACE_S (5 s) after the signal and
+    the process exits, within docker stop's 10 s. Before, the learner took 30 s and more
+    (and in one CI run, minutes)."""
+    from opentinker.services.core.runner import STOP_GRACE_S
+
+    from conftest import until
+
+    server = NatsServer(tmp_path / "nats", auth=True).start()
+    services, procs, _ = start_logged_stack(server, home, tmp_path, monkeypatch, 1, "gone")
+    try:
+        async def all_ready() -> bool:
+            logs = [f.read_text() for f in tmp_path.glob("*-*.log")]
+            return len(logs) == len(procs) and all(("ready" in t or "serving" in t or "recording to" in t)
+                                                   for t in logs)
+
+        await until(all_ready, 180, services, "every service ready")
+        server.proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(server.proc.wait, 10)
+        await asyncio.sleep(3.0)  # each service's next bus call is now being retried
+        t0 = time.monotonic()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                await asyncio.to_thread(p.wait, max(1.0, STOP_GRACE_S + 10 - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{p.args} still running {time.monotonic() - t0:.0f} s after SIGTERM\n{services.logs()}")
+        print(f"every service stopped {time.monotonic() - t0:.1f} s after SIGTERM with the server gone")
+    finally:
         services.stop_all()
         server.stop()
