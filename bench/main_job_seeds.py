@@ -137,14 +137,14 @@ def report(res: dict) -> str:
 
 
 def write_readme(readme: Path, text: str, marker: str = "main_job_seeds") -> None:
-    """Write `text` between the README's `<!-- marker -->` and `<!-- /marker -->`."""
-    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
-    doc = readme.read_text()
-    if start not in doc or end not in doc:
-        raise SystemExit(f"{readme}: no {start} ... {end} markers to write between")
-    before, rest = doc.split(start, 1)
-    after = rest.split(end, 1)[1]
-    readme.write_text(f"{before}{start}\n{text}{end}{after}")
+    """Write `text` between the README's `<!-- marker -->` and `<!-- /marker -->`
+    (schemas.options.with_table). Exits naming the markers when they are missing."""
+    from opentinker.schemas.options import with_table
+
+    try:
+        readme.write_text(with_table(readme.read_text(), text, marker))
+    except ValueError as e:
+        raise SystemExit(f"{readme}: {e}") from None
 
 
 def load_config(config: str, **over) -> dict:

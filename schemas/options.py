@@ -121,14 +121,16 @@ def options_table(struct: type = JobSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def with_table(page: str, table: str) -> str:
-    """`page` with what stands between its BEGIN and END lines replaced by `table`.
+def with_table(page: str, table: str, marker: str = "options") -> str:
+    """`page` with what stands between its `<!-- marker -->` and `<!-- /marker -->` lines
+    (BEGIN and END for the default) replaced by `table`.
 
     Raises ValueError when the page lacks either marker or has them out of order."""
-    start, end = page.find(BEGIN), page.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"no {BEGIN} ... {END} markers to write between")
-    return page[:start + len(BEGIN)] + "\n" + table + page[end:]
+    begin, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    start, stop = page.find(begin), page.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"no {begin} ... {end} markers to write between")
+    return page[:start + len(begin)] + "\n" + table + page[stop:]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -60,11 +59,8 @@ async def run_until_stopped(work: Awaitable[None], stop: asyncio.Event, grace_s:
                 task.cancel()
                 if (await asyncio.wait({task}, timeout=5.0))[0]:
                     break
-            if task.done() and not task.cancelled():
-                with contextlib.suppress(asyncio.CancelledError):
-                    task.result()
-            return
-        task.result()
+        if task.done() and not task.cancelled():
+            task.result()
     finally:
         stopped.cancel()
 

@@ -65,6 +65,12 @@ def _none(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like, dtype=torch.bool)
 
 
+def _bounds(p: SurrogateParams, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """p.low and p.high as tensors of `like`'s dtype and device."""
+    return (torch.as_tensor(p.low, dtype=like.dtype, device=like.device),
+            torch.as_tensor(p.high, dtype=like.dtype, device=like.device))
+
+
 @surrogate("ppo", clipped=True)
 def ppo(logp, log_ratio, adv, p):
     """-min(r A, clip(r, low, high) A), r = exp(log_ratio); with dual_clip c > 1, at
@@ -72,9 +78,9 @@ def ppo(logp, log_ratio, adv, p):
     is zero; verl's pg_clipfrac). Schulman et al. 2017, arXiv 1707.06347 eq. 7; dual
     clip, Ye et al. 2020, arXiv 1912.09729 §3.1."""
     ratio = torch.exp(log_ratio)
+    low, high = _bounds(p, ratio)
     unclipped = ratio * adv
-    clipped = torch.minimum(torch.maximum(ratio, torch.as_tensor(p.low, dtype=ratio.dtype, device=ratio.device)),
-                            torch.as_tensor(p.high, dtype=ratio.dtype, device=ratio.device)) * adv
+    clipped = torch.minimum(torch.maximum(ratio, low), high) * adv
     loss = -torch.minimum(unclipped, clipped)
     if p.dual_clip:
         loss = torch.where(adv < 0, torch.minimum(loss, -p.dual_clip * adv), loss)
@@ -87,8 +93,7 @@ def cispo(logp, log_ratio, adv, p):
     differentiated, so every token keeps a gradient. clipped: r outside [low, high].
     MiniMax-M1, arXiv 2506.13585 eq. 4."""
     r = torch.exp(log_ratio.detach())
-    low = torch.as_tensor(p.low, dtype=r.dtype, device=r.device)
-    high = torch.as_tensor(p.high, dtype=r.dtype, device=r.device)
+    low, high = _bounds(p, r)
     return -(torch.minimum(torch.maximum(r, low), high) * adv * logp), (r < low) | (r > high)
 
 

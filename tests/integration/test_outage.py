@@ -19,7 +19,7 @@ from opentinker.schemas import subjects as S
 from opentinker.sdk import Client
 from opentinker.services.core.nats_server import NatsServer
 
-from conftest import start_logged_stack, stream_and_log, submit_when_ready
+from conftest import start_logged_stack, stream_and_log, submit_when_ready, until
 
 STEPS = 10
 
@@ -61,8 +61,6 @@ async def test_every_service_stops_on_sigterm_while_the_nats_server_is_gone(tmp_
     the process exits, within docker stop's 10 s. Before, the learner took 30 s and more
     (and in one CI run, minutes)."""
     from opentinker.services.core.runner import STOP_GRACE_S
-
-    from conftest import until
 
     server = NatsServer(tmp_path / "nats", auth=True).start()
     services, procs, _ = start_logged_stack(server, home, tmp_path, monkeypatch, 1, "gone")
