@@ -35,7 +35,7 @@ Engine = Literal["auto", "vllm", "hf"]
 SamplerDtype = Literal["auto", "float32", "bfloat16"]
 LearnerDtype = Literal["auto", "float32", "bfloat16"]
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
-Surrogate = Literal["ppo", "cispo", "importance_sampling", "dro", "cross_entropy"]
+Surrogate = Literal["ppo", "gspo", "cispo", "importance_sampling", "dro", "cross_entropy"]
 LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
@@ -202,10 +202,12 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "batch std (REINFORCE++, arXiv 2501.03262).")) = "grpo"
     surrogate: Doc(Surrogate, (
         "The per-token objective (shared with the Tinker API's `loss_fn`): `ppo` the clipped surrogate "
-        "(arXiv 1707.06347); `cispo` the clipped ratio as a constant coefficient of -A log pi, every token keeping "
-        "a gradient (CISPO, arXiv 2506.13585 eq. 4); `importance_sampling` -r A, unclipped; `dro` -A log pi + "
-        "beta/2 (log r)^2, beta = `dro_beta` (arXiv 2405.19107); `cross_entropy` -A log pi. `clip_frac` is "
-        "reported for `ppo` and `cispo`.")) = "ppo"
+        "(arXiv 1707.06347); `gspo` the same clip on the sequence's length-normalized ratio, each token keeping "
+        "its own gradient (GSPO-token, arXiv 2507.18071; its paper clips at `clip_range = 3e-4`, "
+        "`clip_range_high = 4e-4`); `cispo` the clipped ratio as a constant coefficient of -A log pi, every "
+        "token keeping a gradient (CISPO, arXiv 2506.13585 eq. 4); `importance_sampling` -r A, unclipped; "
+        "`dro` -A log pi + beta/2 (log r)^2, beta = `dro_beta` (arXiv 2405.19107); `cross_entropy` -A log pi. "
+        "`clip_frac` is reported for `ppo`, `gspo` and `cispo`.")) = "ppo"
     dro_beta: Bounded(float, 0, 100, doc=(
         "DRO's penalty weight beta: > 0 with `surrogate = \"dro\"` (e.g. 0.05, arXiv 2405.19107), 0 with any "
         "other.")) = 0.0
@@ -222,7 +224,7 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "\"dr_grpo\"`, `token-mean` with any other.")) = "auto"
     importance_sampling_level: Doc(Literal["token", "sequence"], (
         "The PPO ratio per token, or per `sequence`: GSPO's length-normalized sequence ratio (arXiv "
-        "2507.18071 eq. 7).")) = "token"
+        "2507.18071 eq. 7; `surrogate = \"gspo\"` always takes it).")) = "token"
     rollout_is: Doc(Literal["none", "token", "sequence"], (
         "The behaviour-policy correction (asynchrony, sampler/learner numeric gap): the PPO ratio is taken "
         "against the learner's own logprobs before the update, each token (`sequence`: episode) weighted by "

@@ -426,8 +426,8 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
     "none"), logp_ref, entropy: [B, T] or None; weights: [B] aggregation weights
     (aggregation_weights), default token-mean over this batch.
     Per token, with old = logp_prox when given, else logp_behav:
-      r = exp(logp - old) (ratio_level "sequence": exp of the mean over the sequence,
-      GSPO); pg = the surrogate's loss, for "ppo" -min(r A, clip(r, 1 - clip_low,
+      r = exp(logp - old) (ratio_level "sequence" or surrogate "gspo": exp of the mean
+      over the sequence, GSPO); pg = the surrogate's loss, for "ppo" -min(r A, clip(r, 1 - clip_low,
       1 + clip_high) A), with dual_clip c at most -c A where A < 0; times the behaviour correction w
       (rollout_is_weights, no gradient); plus kl_coef * KL_est(logp, logp_ref) minus
       entropy_coef * entropy. loss = sum_b weights_b sum_t mask_bt * l_bt.
@@ -460,7 +460,7 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
     behav = torch.where(keep, logp_behav, 0.0)
     old = torch.where(keep, logp_prox, 0.0) if logp_prox is not None else behav
     log_ratio = logp - old
-    if cfg.ratio_level == "sequence":
+    if cfg.ratio_level == "sequence" or cfg.surrogate == "gspo":
         n = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
         log_ratio = (torch.where(keep, log_ratio, 0.0).sum(dim=1, keepdim=True) / n).expand_as(logp)
     elif cfg.ratio_level != "token":

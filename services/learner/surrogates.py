@@ -4,7 +4,7 @@ spec, loss.policy_loss) and the Tinker API's `forward_backward(loss_fn=...)`
 
 A surrogate maps, per token t (any shape, all of the same):
   logp       log pi(y_t), with gradient
-  log_ratio  log pi(y_t) - log pi_old(y_t) (GSPO: the sequence's mean, repeated), with gradient
+  log_ratio  log pi(y_t) - log pi_old(y_t) (gspo: the sequence's mean, repeated), with gradient
   adv        the advantage A_t (cross_entropy: the token's weight)
   p          SurrogateParams: the ratio bounds [low, high] (floats or tensors broadcast
              to the tokens), dual_clip, beta
@@ -85,6 +85,17 @@ def ppo(logp, log_ratio, adv, p):
     if p.dual_clip:
         loss = torch.where(adv < 0, torch.minimum(loss, -p.dual_clip * adv), loss)
     return loss, (clipped < unclipped).detach()
+
+
+@surrogate("gspo", clipped=True)
+def gspo(logp, log_ratio, adv, p):
+    """GSPO-token: PPO's clip on the sequence ratio s = exp(mean_t log r_t) (the caller
+    passes that mean, repeated, as log_ratio); each token's ratio takes s's value with
+    the gradient of its own log pi, s_t = sg(s) pi(y_t) / sg(pi(y_t)), so per-token
+    advantages still work (with one advantage per sequence, GSPO's own gradient). A
+    whole sequence is clipped or kept. clipped: as ppo's. Zheng et al. 2025, arXiv
+    2507.18071 eq. 7 (GSPO) and §4.3 (GSPO-token); Tinker's `gspo` loss."""
+    return ppo(logp, log_ratio.detach() + logp - logp.detach(), adv, p)
 
 
 @surrogate("cispo", clipped=True)

@@ -10,6 +10,8 @@ sampler's logprob of the same token), A the `advantages` input, r = exp(lp - q).
     cross_entropy        L = -sum_i lp_i * w_i                  (w may be negative)
     importance_sampling  L = -sum_i r_i * A_i
     ppo                  L = -sum_i min(r_i * A_i, clip(r_i, low, high) * A_i)
+    gspo                 ppo with s_i = sg(s) * exp(lp_i - sg(lp_i)) for r_i, where
+                         log s = mean of (lp_j - q_j) over the tokens j of the mask M
     cispo                L = -sum_i sg(clip(r_i, low, high)) * lp_i * A_i
     dro                  L = -sum_i (lp_i * A_i - 0.5 * beta * (lp_i - q_i)^2)
 
@@ -18,14 +20,18 @@ The per-token formulas are the registry's (surrogates.py), which GRPO jobs use t
 Losses are sums over tokens, not means, as in Tinker. `low`/`high` are the ratio
 bounds themselves (config keys clip_low_threshold / clip_high_threshold, e.g. 0.8 and
 1.2), not epsilons. Defaults: ppo 0.8 / 1.2 ("epsilon fixed to 0.2"), cispo 0.0 / 4.0
-(a one-sided clip, per Tinker's CISPO page); dro's beta has no documented default, so
-it is required. Per-token bounds may also come as [N] loss_fn_inputs arrays (the SDK's
+(a one-sided clip, per Tinker's CISPO page), gspo 0.9997 / 1.0004 (GSPO's paper clips
+at 3e-4 and 4e-4; Tinker's page gives no default); dro's beta has no documented default,
+so it is required. gspo's mask M is the `sequence_ratio_mask` input (nonzero = in the
+ratio), or, without it, the tokens with A != 0 (the sampled ones: a prompt position's
+`logprobs` is not a sampler's logprob). Per-token bounds may also come as [N] loss_fn_inputs arrays (the SDK's
 datum.py lists clip_low_threshold / clip_high_threshold as input keys); an array wins
 over the config value of the same name.
 
 Sources: Tinker docs, https://tinker-docs.thinkingmachines.ai/losses and the per-loss
 pages under https://tinker-docs.thinkingmachines.ai/tinker/losses/ (ppo, cispo, dro);
-PPO: Schulman et al. 2017, arXiv 1707.06347 eq. 7; CISPO: MiniMax-M1, arXiv 2506.13585
+PPO: Schulman et al. 2017, arXiv 1707.06347 eq. 7; GSPO: Zheng et al. 2025, arXiv
+2507.18071 (the GSPO-token form, as Tinker implements it); CISPO: MiniMax-M1, arXiv 2506.13585
 eq. 4; DRO: Richemond et al. 2024, arXiv 2405.19107 (and Kimi k1.5, arXiv 2501.12599).
 """
 
@@ -40,13 +46,14 @@ import torch
 from opentinker.services.learner import surrogates
 from opentinker.services.learner.surrogates import SurrogateParams
 
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")  # each in surrogates.SURROGATES
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "dro")  # each in surrogates.SURROGATES
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": _RL_INPUTS,
     "ppo": _RL_INPUTS,
+    "gspo": _RL_INPUTS,
     "cispo": _RL_INPUTS,
     "dro": _RL_INPUTS,
 }
@@ -58,6 +65,7 @@ OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),
     "importance_sampling": ("weights",),
     "ppo": ("weights", *CLIP_KEYS),
+    "gspo": ("weights", "sequence_ratio_mask", *CLIP_KEYS),
     "cispo": ("weights", *CLIP_KEYS),
     "dro": ("weights",),
 }
@@ -66,12 +74,14 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),
     "importance_sampling": (),
     "ppo": CLIP_KEYS,
+    "gspo": CLIP_KEYS,
     "cispo": CLIP_KEYS,
     "dro": ("beta",),
 }
 
 # (clip_low_threshold, clip_high_threshold) when neither config nor inputs give one.
-CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "gspo": (1 - 3e-4, 1 + 4e-4),
+                                                 "cispo": (0.0, 4.0)}
 
 
 class LossInputError(ValueError):
@@ -121,10 +131,11 @@ def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor
     this datum, for the caller to suffix and reduce:
       loss            the loss value, every loss_fn
       active_tokens   RL losses: tokens with A != 0 (the others add nothing but dro's penalty)
-      ratio_mean      RL losses: mean r over active tokens, 1.0 (on-policy) when none is
-                      active so that a mean over datums stays finite
-      clipped_tokens  ppo: active tokens whose clipped term won the min (zero gradient);
-                      cispo: active tokens whose ratio was clamped
+      ratio_mean      RL losses: mean r over active tokens (gspo: its sequence ratio s),
+                      1.0 (on-policy) when none is active so that a mean over datums
+                      stays finite
+      clipped_tokens  ppo, gspo: active tokens whose clipped term won the min (zero
+                      gradient); cispo: active tokens whose ratio was clamped
       penalty         dro: 0.5 * beta * sum_i (lp_i - q_i)^2
     Raises LossInputError as check_inputs does for the loss name, config and the inputs'
     names and shapes (dtype and finiteness are check_inputs' job), and ValueError if lp
@@ -146,6 +157,10 @@ def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor
     q, adv = as_lp(inputs["logprobs"]), as_lp(inputs["advantages"])
     log_ratio = lp - q
     active = adv != 0
+    if loss_fn == "gspo":  # one ratio for the sequence: the mean log ratio over M, repeated
+        in_ratio = as_lp(inputs["sequence_ratio_mask"]) != 0 if "sequence_ratio_mask" in inputs else active
+        seq = log_ratio[in_ratio].mean() if bool(in_ratio.any()) else log_ratio.sum() * 0.0
+        log_ratio = seq.expand_as(lp)
     n_active = int(active.sum())
     ratio = log_ratio.detach().exp()
     metrics = {"active_tokens": float(n_active),

@@ -77,19 +77,23 @@ async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, serv
         adv = np.where(np.arange(len(lp)) % 2 == 0, 1.5, -0.5).astype(np.float32)
         rl = [datum(ids, logprobs=q, advantages=adv)]
         got = {}
-        for loss, cfg in (("importance_sampling", None), ("ppo", None), ("cispo", None), ("dro", {"beta": 0.1})):
+        for loss, cfg in (("importance_sampling", None), ("ppo", None), ("gspo", None), ("cispo", None),
+                          ("dro", {"beta": 0.1})):
             r = tc.forward(rl, loss, loss_fn_config=cfg).result()
             got[loss] = (r.metrics["loss:sum"], r.loss_fn_outputs[0]["logprobs"].to_numpy().astype(np.float64))
         now = got["importance_sampling"][1]
         ratio = np.exp(now - q)
         assert got["importance_sampling"][0] == pytest.approx(-(ratio * adv).sum(), rel=1e-4)
         assert got["ppo"][0] == pytest.approx(-np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv).sum(), rel=1e-4)
+        s = np.exp((now - q).mean())  # GSPO's sequence ratio (every token has A != 0 here)
+        assert got["gspo"][0] == pytest.approx(-np.minimum(s * adv, np.clip(s, 1 - 3e-4, 1 + 4e-4) * adv).sum(),
+                                               rel=1e-4)
         assert got["cispo"][0] == pytest.approx(-(np.clip(ratio, 0.0, 4.0) * now * adv).sum(), rel=1e-4)
         assert got["dro"][0] == pytest.approx(-(now * adv - 0.05 * (now - q) ** 2).sum(), rel=1e-4)
 
         # a bad request fails its own future, naming the fault; the session goes on
-        with pytest.raises(tinker.RequestFailedError, match="gspo"):
-            tc.forward(rl, "gspo").result()
+        with pytest.raises(tinker.RequestFailedError, match="stable_reinforce"):
+            tc.forward(rl, "stable_reinforce").result()
         with pytest.raises(tinker.RequestFailedError, match="beta"):
             tc.forward(rl, "dro").result()
 

@@ -26,7 +26,7 @@ def case(a: float):
 
 def test_the_registry_the_job_spec_and_the_tinker_losses_name_the_same_surrogates():
     assert set(typing.get_args(Surrogate)) == set(surrogates.SURROGATES) == set(LOSS_FNS)
-    assert surrogates.CLIPPED == {"ppo", "cispo"}
+    assert surrogates.CLIPPED == {"ppo", "gspo", "cispo"}
     with pytest.raises(ValueError, match="surrogate must be one of"):
         surrogates.get("trpo")
     with pytest.raises(ValueError, match="registered twice"):
@@ -44,6 +44,34 @@ def test_cispo_keeps_a_gradient_on_clipped_tokens(a):
     # d/dlogp = -clip(r) A / 3 on every token, clipped or not (PPO's would be 0 on a clipped one)
     assert logp.grad[0].tolist() == pytest.approx([-c * a / 3 for c in coef], rel=1e-6)
     assert out.clipped_sum == 2.0  # 1.5 and 0.6 lie outside [0.8, 1.2]
+
+
+def test_gspo_clips_the_sequence_ratio_and_gives_each_token_its_own_gradient():
+    logp, old, _, mask = case(1.0)
+    s = math.prod(RATIOS) ** (1 / 3)  # 0.9967: the geometric mean of the token ratios
+    per_token_adv = torch.tensor([[1.0, -2.0, 0.5]])
+    out = policy_loss(logp, old, per_token_adv, mask, LossConfig(surrogate="gspo"))
+    assert out.loss.item() == pytest.approx(-s * (1.0 - 2.0 + 0.5) / 3, rel=1e-6)
+    out.loss.backward()
+    # GSPO-token: d/dlogp_t = -s A_t / 3, each token by its own advantage
+    assert logp.grad[0].tolist() == pytest.approx([-s * 1.0 / 3, s * 2.0 / 3, -s * 0.5 / 3], rel=1e-5)
+    assert out.clipped_sum == 0.0  # s lies inside [0.8, 1.2], though 1.5 and 0.6 do not
+    # with one advantage per sequence it is GSPO's own gradient (PPO on the sequence ratio)
+    for a in (1.0, -1.0):
+        grads = []
+        for cfg in (LossConfig(surrogate="gspo"), LossConfig(ratio_level="sequence")):
+            logp, old, adv, mask = case(a)
+            policy_loss(logp, old, adv, mask, cfg).loss.backward()
+            grads.append(logp.grad[0].tolist())
+        assert grads[0] == pytest.approx(grads[1], rel=1e-5)
+    # the paper's bounds (3e-4, 4e-4): s = 0.9967 lies below 1 - 3e-4, so with A < 0 the
+    # whole sequence is clipped (no gradient), with A > 0 it keeps s A
+    for a, clipped in ((-1.0, True), (1.0, False)):
+        logp, old, adv, mask = case(a)
+        out = policy_loss(logp, old, adv, mask, LossConfig(surrogate="gspo", clip_low=3e-4, clip_high=4e-4))
+        out.loss.backward()
+        assert out.clipped_sum == 3.0
+        assert logp.grad[0].tolist() == pytest.approx([0.0] * 3 if clipped else [-s / 3] * 3, rel=1e-5)
 
 
 def test_dro_pays_a_quadratic_penalty_and_clips_nothing():

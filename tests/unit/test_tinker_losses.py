@@ -132,6 +132,29 @@ def test_dro_value_gradient_and_penalty():
     assert metrics["penalty"] == approx(penalty)
 
 
+def test_gspo_clips_the_sequence_ratio_of_the_sampled_tokens_by_default():
+    loss, grad, metrics = loss_and_grad("gspo", rl_inputs())
+    # M = the tokens with A != 0 (t0..t4): log s = mean(0.2, -0.1, -1.0, -0.5, 0.3) = -0.22,
+    # below the default lower bound 1 - 3e-4; A > 0 (t0, t2) keeps the unclipped s A, A < 0
+    # (t1, t3, t4) takes the clipped term (no gradient), t5 has no advantage
+    s, low = e(-0.22), 1 - 3e-4
+    assert loss == approx(-(s * 2.0 + s * 0.5) + 3 * low)
+    # every token carries s's value with its own logprob's gradient: d/dlp_i = -s A_i
+    assert grad == approx([-s * 2.0, 0.0, -s * 0.5, 0.0, 0.0, 0.0])
+    assert metrics["ratio_mean"] == approx(s) and metrics["clipped_tokens"] == 3.0
+
+
+def test_gspo_takes_the_ratio_over_the_sequence_ratio_mask_and_config_bounds():
+    mask = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # log s = mean(0.2, -0.1) = 0.05
+    s = e(0.05)
+    loss, grad, metrics = loss_and_grad("gspo", rl_inputs(sequence_ratio_mask=mask))
+    high = 1 + 4e-4  # s > high: A > 0 clipped (t0, t2), A < 0 unclipped (t1, t3, t4)
+    assert loss == approx(-(high * 2.0 + high * 0.5) + 3 * s)
+    assert grad == approx([0.0, s, 0.0, s, s, 0.0])
+    loss, grad, _ = loss_and_grad("gspo", rl_inputs(sequence_ratio_mask=mask), {"clip_high_threshold": 1.2})
+    assert grad == approx([-s * a for a in ADV])  # inside [1 - 3e-4, 1.2]: nothing clipped
+
+
 def test_rl_losses_ignore_weights_as_tinker_does():
     plain, _, _ = loss_and_grad("importance_sampling", rl_inputs())
     weighted, _, _ = loss_and_grad("importance_sampling", rl_inputs(weights=[0.0] * 6))
@@ -174,7 +197,8 @@ def both_paths(loss_fn, inputs, config):
 
 
 @pytest.mark.parametrize("loss_fn, inputs, config, message", [
-    ("gspo", GOOD, None, r"loss_fn 'gspo' is not supported \(supported: cross_entropy, importance_sampling, ppo"),
+    ("trpo", GOOD, None, r"loss_fn 'trpo' is not supported \(supported: cross_entropy, importance_sampling, ppo"),
+    ("ppo", {**GOOD, "sequence_ratio_mask": [1.0] * N}, None, r"'sequence_ratio_mask'\] is not an input of 'ppo'"),
     ("ppo", {k: v for k, v in GOOD.items() if k != "advantages"}, None, r"needs loss_fn_inputs\['advantages'\]"),
     ("cross_entropy", {"target_tokens": [1, 2, 3, 4]}, None, r"needs loss_fn_inputs\['weights'\]"),
     ("ppo", {**GOOD, "advantages": [1.0, 2.0, 3.0]}, None,
