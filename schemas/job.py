@@ -77,6 +77,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         "Nucleus sampling: sample from the most likely tokens whose probabilities sum to top_p (Holtzman et al. "
         "2019, arXiv 1904.09751). A GRPO training job must keep 1: the learner scores the full distribution, "
         "not the nucleus, so the importance ratio would be wrong; inference jobs may use any value.")) = 1.0
+    top_k: Bounded(int, -1, 1_000_000, doc=(
+        "Sample from the k most likely tokens only (Fan et al. 2018, arXiv 1805.04833); -1 or 0 = every token. "
+        "A GRPO training job must keep -1 or 0, as with `top_p`.")) = -1
     max_new_tokens: Bounded(int, 1, 32_768, doc="The most tokens the policy generates in one turn.") = 32
     max_total_tokens: Bounded(int, 2, 131_072, doc=(
         "The most tokens one episode holds: the prompt and every turn, observations included; more than "
@@ -182,6 +185,11 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "A tinker session's starting model: a save_state `<job_id>/<name>` of one of the user's own tinker "
         "jobs (the scheduler checks); \"\" = `model`.")) = ""
     tinker_init_optimizer: Doc(bool, "With `tinker_init`: restore the save's optimizer state too.") = False
+    init_from: Doc(str, (
+        "A GRPO or SFT job's starting policy: another job of the user's own (e.g. an SFT job before RL), "
+        "the weights of its newest checkpoint (its last step's, once it completed), not its optimizer state, "
+        "step or policy version; same `model`, LoRA rank and target modules (the scheduler and learner "
+        "check). Its evaluation at policy version 0 measures that start. \"\" = `model`.")) = ""
     sft_batch_size: Bounded(int, 1, 4096, doc="SFT: examples per optimizer step.") = 16
     rollout_workers: Bounded(int, 1, 64, doc=(
         "Rollout workers of the pool that sample the job's groups, in turn; a training job that loses some "
@@ -401,6 +409,9 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
         _check(JOB_ID_RE.match(job) is not None, "opponents", f"seat {seat!r}: {job[:80]!r} is not a job id")
     _check(not spec.tinker_init or (spec.algorithm == "tinker" and TINKER_INIT_RE.match(spec.tinker_init) is not None),
            "tinker_init", "only a tinker session starts from a save: <job_id>/<name>")
+    _check(not spec.init_from or (spec.algorithm in ("grpo", "sft") and JOB_ID_RE.match(spec.init_from) is not None),
+           "init_from", f"a GRPO or SFT job starts from a job id of yours (got {spec.init_from[:80]!r} "
+                        f"with algorithm {spec.algorithm!r}; a tinker session uses tinker_init)")
     if spec.algorithm == "tinker":
         _check(spec.learner_ranks == 1, "learner_ranks",
                f"a tinker session trains on one rank (got {spec.learner_ranks})")
@@ -427,6 +438,9 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
                f"must be 1 for a GRPO training job (got {s.top_p!r}): the learner does not apply "
                "the nucleus, so the sampler's logprobs and the learner's would be of different "
                "distributions and the importance ratio would be wrong (inference jobs may use top_p < 1)")
+        _check(s.top_k in (-1, 0), "sampling.top_k",
+               f"must be -1 or 0 for a GRPO training job (got {s.top_k!r}): the learner scores every token, "
+               "not the top k, so the importance ratio would be wrong (inference jobs may use top_k > 0)")
     return spec
 
 

@@ -157,6 +157,7 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=32_768)] = 16
     temperature: Annotated[float, msgspec.Meta(ge=0, le=10)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=1_000_000)] = -1
     stop_tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKENS)] = msgspec.field(
         default_factory=list)
     stop_strings: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = msgspec.field(

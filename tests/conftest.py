@@ -5,7 +5,9 @@ services started as real subprocesses and stopped by PID."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +27,52 @@ if not os.environ.get("OPENTINKER_ADMIN_KEY"):
 
     os.environ["OPENTINKER_ADMIN_KEY"] = "otk-" + _secrets.token_urlsafe(32)
 os.environ.setdefault("OPENTINKER_API_KEY", os.environ["OPENTINKER_ADMIN_KEY"])
+
+
+# Under pytest-xdist (scripts/test.sh runs `-n 2`) these run first, longest first: the
+# suite's tail is then short files and unit tests, which keep both workers busy.
+LONG_FIRST = ("tests/adversarial",)
+
+
+@functools.cache
+def _uses_world(path: str) -> bool:
+    """Whether a test of the file at `path` (relative to the repository) takes the
+    `world` fixture."""
+    return re.search(r"def test_\w+\([^)]*\bworld\b", (ROOT / path).read_text()) is not None
+
+
+def _work_unit(nodeid: str) -> str:
+    """The unit of work a pytest-xdist worker takes whole: the test's file (its module
+    fixtures built once), or tests/adversarial for every test of a file that takes the
+    shared stack `world` (started once per worker, so all on one)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/adversarial" if path.startswith("tests/adversarial/") or _uses_world(path) else path
+
+
+def pytest_collection_modifyitems(config, items):
+    """The order of the run (and of the work units sent to xdist's workers): LONG_FIRST,
+    then integration files, then unit files; stable within each."""
+    def rank(item) -> tuple[int, int]:
+        unit = _work_unit(item.nodeid)
+        if unit in LONG_FIRST:
+            return (0, LONG_FIRST.index(unit))
+        return (1, 0) if unit.startswith("tests/integration/") else (2, 0)
+
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scope scheduler with _work_unit as the scope, units sent in the
+    run's order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByWorkUnit(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import fcntl
 import glob
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,15 +93,37 @@ def _convert_gguf(out: Path, home: Path) -> None:
     os.replace(tmp, out)
 
 
-def make_tiny_model(out: str | Path, tokenizer_from: str) -> str:
-    """Write a random-init Llama (2 layers, hidden 128, head_dim 64) with the
-    tokenizer of `tokenizer_from` to `out`. For tests: real engines, seconds to run."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
+def _publish(out: str | Path, write) -> str:
+    """`write(folder)` into a temporary sibling of `out`, then rename it to `out`, unless
+    `out` already holds a model: processes making the same model at once (parallel test
+    workers) never read a half-written folder, and the first to finish wins."""
     out = Path(out)
     if (out / "config.json").exists():
         return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process renamed its copy first
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def make_tiny_model(out: str | Path, tokenizer_from: str) -> str:
+    """Write a random-init Llama (2 layers, hidden 128, head_dim 64) with the
+    tokenizer of `tokenizer_from` to `out`. For tests: real engines, seconds to run."""
+    return _publish(out, lambda folder: _write_tiny_model(folder, tokenizer_from))
+
+
+def _write_tiny_model(out: Path, tokenizer_from: str) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -111,7 +134,6 @@ def make_tiny_model(out: str | Path, tokenizer_from: str) -> str:
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    return str(out)
 
 
 # SmolLM2's ChatML template, with a message's content either text or a list of parts
@@ -133,13 +155,14 @@ def make_tiny_vlm(out: str | Path, tokenizer_from: str) -> str:
     plus an `<image>` token, and its processor (56x56 images, 14-pixel patches: 16
     image tokens per image) to `out`. Text side as make_tiny_model (head_dim 64, which
     vLLM's CPU kernels take). For tests: a real vision-language model, seconds to run."""
+    return _publish(out, lambda folder: _write_tiny_vlm(folder, tokenizer_from))
+
+
+def _write_tiny_vlm(out: Path, tokenizer_from: str) -> None:
     import torch
     from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
-    out = Path(out)
-    if (out / "config.json").exists():
-        return str(out)
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tok.chat_template = VLM_CHAT_TEMPLATE
@@ -160,7 +183,6 @@ def make_tiny_vlm(out: str | Path, tokenizer_from: str) -> str:
     images = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
     LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
                    num_additional_image_tokens=1, chat_template=VLM_CHAT_TEMPLATE).save_pretrained(out)
-    return str(out)
 
 
 def is_vision_language(model: str) -> bool:

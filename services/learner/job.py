@@ -124,7 +124,7 @@ class JobRun(RunLifecycle):
         saved = await checkpoint.get(self.bus, self.job_id)
         building = asyncio.ensure_future(self.build_engine())
         try:
-            if saved is None:
+            if saved is None and not self.spec.init_from:
                 # a new job's first steps are sampled by the base model: ask for them now,
                 # so the rollout starts its engine while this learner builds its own
                 await self.open_trajectories()
@@ -132,6 +132,10 @@ class JobRun(RunLifecycle):
         finally:
             await building  # the engine thread finishes before anything can close the engine
         if await self.resume(saved) is not None:
+            await self.open_trajectories()
+            await self.publish_weights()
+        elif self.spec.init_from:  # version 0 is the policy it starts from, not the base model
+            await self.init_from_job()
             await self.open_trajectories()
             await self.publish_weights()
         await self.maybe_evaluate()

@@ -307,6 +307,24 @@ class RunLifecycle:
                  self.job_id, meta["step"], self.version, meta["traj_floor"] + 1)
         return meta
 
+    async def init_from_job(self) -> None:
+        """Start from `spec.init_from`'s newest checkpoint: its weights, not its
+        optimizer state, step or policy version (this run stays at version 0). Raises
+        ValueError naming init_from when that job has no checkpoint or its state does
+        not fit this job's model (another LoRA rank or target modules)."""
+        source = self.spec.init_from
+        data = await checkpoint.get(self.bus, source)
+        if data is None:
+            raise ValueError(f"init_from: job {source!r} has no checkpoint yet (a job saves one every "
+                             "checkpoint_every steps and after its last)")
+        _, state_dir = await self.in_engine(checkpoint.unpack, data, self.scratch / "init")
+        try:
+            await self.in_engine(self.engine.load_state, state_dir, False)
+        except Exception as e:
+            raise ValueError(f"init_from: job {source!r}'s checkpoint does not fit this job "
+                             f"(same model, lora_rank and lora_target_modules?): {str(e)[:300]}") from e
+        log.info("job %s starts from job %s's policy", self.job_id, source)
+
     async def save_checkpoint(self, s: int, stream: dict[str, Any]) -> None:
         """Checkpoint after step `s`: the engine's state, RNG states, step and policy
         version, and `stream`, the trajectory-stream keys (ledger.py)."""

@@ -137,8 +137,8 @@ class RankGroup:
     def save_state(self, directory) -> None:
         self._call("save_state", str(directory))
 
-    def load_state(self, directory) -> None:
-        self._call("load_state", str(directory))
+    def load_state(self, directory, optimizer: bool = True) -> None:
+        self._call("load_state", str(directory), optimizer)
 
     def save_pretrained(self, directory) -> None:
         self._call("save_pretrained", str(directory))

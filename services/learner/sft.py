@@ -366,6 +366,9 @@ class SFTRun(RunLifecycle):
         self.check_live()
         if await self.resume(await checkpoint.get(self.bus, self.job_id)):
             await self.publish_weights()
+        elif self.spec.init_from:
+            await self.init_from_job()
+            await self.publish_weights()
         # loss_full_before/after: the training slice itself (at most MAX_EVAL_EXAMPLES of it)
         n = min(len(self.examples), MAX_EVAL_EXAMPLES)
         measured = [self.examples[i] for i in epoch_order(len(self.examples), self.spec.seed, 0)[:n]]

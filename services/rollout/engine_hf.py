@@ -3,8 +3,9 @@ CUDA, any head_dim). Nothing but service.py imports this module.
 
 Batched sampling with left padding and a KV cache. Each sampled token's logprob is
 taken under the distribution it was sampled from, the same one vLLM reports with
-logprobs_mode="processed_logprobs": logits / temperature, top-p filtered (nucleus
-sampling, Holtzman et al. 2019, arXiv 1904.09751 §3.1), renormalized.
+logprobs_mode="processed_logprobs": logits / temperature, top-k filtered (Fan et al.
+2018, arXiv 1805.04833), top-p filtered (nucleus sampling, Holtzman et al. 2019, arXiv
+1904.09751 §3.1), renormalized.
 """
 
 from __future__ import annotations
@@ -33,15 +34,22 @@ def stop_token_ids(generation_config, tokenizer) -> set[int]:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None = None,
+           top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return (token [B] int64, logprob [B] float32).
 
-    logits: [B, V] float32; temperature, top_p: [B]. A row with temperature 0 is
-    greedy. The logprob is log softmax(logits / T) after top-p filtering (the
-    smallest set of tokens whose probability mass reaches top_p is kept).
+    logits: [B, V] float32; temperature, top_p: [B]; top_k: [B] int64 or None (k <= 0
+    keeps every token). A row with temperature 0 is greedy. The logprob is
+    log softmax(logits / T) after top-k filtering (the k highest logits kept; ties at
+    the k-th are kept too) and then top-p filtering (the smallest set of tokens whose
+    probability mass reaches top_p is kept), as vLLM applies them.
     """
     greedy = temperature <= 0
     x = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if top_k is not None and bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, x.shape[-1]).clamp(max=x.shape[-1])
+        kth = x.sort(-1, descending=True).values.gather(-1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
     if bool((top_p < 1).any()):
         sorted_x, order = x.sort(-1, descending=True)
         probs = sorted_x.softmax(-1)
@@ -131,6 +139,7 @@ class HFEngine:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         temp = torch.tensor([s.temperature for s in sps], dtype=torch.float32, device=self.device)
         top_p = torch.tensor([s.top_p for s in sps], dtype=torch.float32, device=self.device)
+        top_k = torch.tensor([s.top_k for s in sps], dtype=torch.int64, device=self.device)
 
         # the images go to the prefill only: the KV cache holds them after it
         res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -140,7 +149,7 @@ class HFEngine:
         reasons = ["length"] * b
         live = [True] * b
         for _ in range(max(limits)):
-            tok, lp = sample(res.logits[:, -1].float(), temp, top_p, self.generator)
+            tok, lp = sample(res.logits[:, -1].float(), temp, top_p, self.generator, top_k)
             for i, (t, logp) in enumerate(zip(tok.tolist(), lp.tolist())):
                 if not live[i]:
                     continue

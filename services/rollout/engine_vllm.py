@@ -165,7 +165,8 @@ class VLLMEngine:
             if n < 1:
                 raise ValueError(f"prompt {i} has {len(p)} tokens: no room under max_model_len {self.max_model_len}")
             # logprobs=0: only the sampled token's logprob
-            params.append(VSamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=n, logprobs=0))
+            params.append(VSamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
+                                          max_tokens=n, logprobs=0))
         outs = self.llm.generate(self._inputs(prompts, images), params, use_tqdm=False, lora_request=self.lora)
         self._check_prompts(prompts, outs)
         res = []

@@ -101,7 +101,7 @@ def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[flo
     if not req.tokens or room < 1:
         raise ValueError(f"prompt: {len(req.tokens)} tokens (1 to {engine.max_model_len - 1} on this worker)")
     n = min(req.max_tokens, room)
-    sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=n,
+    sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_new_tokens=n,
                         max_total_tokens=len(req.tokens) + n)
     outs = engine.generate([list(req.tokens)] * req.num_samples, sp)
     prompt: list[float] = []

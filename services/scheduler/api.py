@@ -52,6 +52,7 @@ class SamplingBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     temperature: float = Field(1.0, ge=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, le=1_000_000)
     max_new_tokens: int = Field(32, ge=1, le=32_768)
     max_total_tokens: int = Field(1024, ge=2, le=131_072)
     max_turns: int = Field(1, ge=1, le=1024)

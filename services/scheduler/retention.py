@@ -31,13 +31,16 @@ DAY_S = 86_400.0
 
 def named_jobs(recs: Iterable[JobRecord]) -> set[str]:
     """The jobs that unfinished records depend on: a `tinker_init` source
-    (`<job>/<checkpoint>`) and the `opponents` whose policies play a seat."""
+    (`<job>/<checkpoint>`), an `init_from` job and the `opponents` whose policies play a
+    seat."""
     out: set[str] = set()
     for r in recs:
         if not r.state.terminal:
             out.update(r.spec.opponents.values())
             if r.spec.tinker_init:
                 out.add(r.spec.tinker_init.partition("/")[0])
+            if r.spec.init_from:
+                out.add(r.spec.init_from)
     return out
 
 

@@ -261,6 +261,13 @@ class Scheduler:
             if source and not rules["admin"] and source not in rules["own_jobs"]:
                 raise SpecError("tinker_init", f"no job {source!r} of yours saved it")
             models = {r.job_id: r.spec.model for r in (every if rules["admin"] else mine)}
+            if cmd.spec.init_from:
+                if cmd.spec.init_from not in models:
+                    raise SpecError("init_from", f"no job {cmd.spec.init_from!r} of yours")
+                if models[cmd.spec.init_from] != changes["model"]:
+                    raise SpecError("init_from", f"job {cmd.spec.init_from!r} trains "
+                                                 f"{models[cmd.spec.init_from]!r}, this job {changes['model']!r}: "
+                                                 "a job starts from a policy of its own model")
             for seat, other in cmd.spec.opponents.items():
                 if other not in models:
                     raise SpecError("opponents", f"seat {seat!r}: no job {other!r} of yours")

@@ -6,7 +6,7 @@ dropped, the rest checked against the stored argon2 hashes, core/users.py).
 
 A refusal the SDK must not retry is a 4xx with a JSON body (`{"detail": ...}`); an
 operation that fails once queued is a failed future (`{"error", "category"}`).
-Not served (400, naming it): top-k logprobs, `top_k`, image inputs, `stop=[]`;
+Not served (400, naming it): top-k logprobs, image inputs, `stop=[]`;
 optimizers other than Adam fail their future.
 """
 
@@ -319,13 +319,12 @@ def make_app(gw: Gateway) -> FastAPI:
             except msgspec.ValidationError as e:
                 raise ApiError(400, f"prompt.chunks[{i}]: {e}") from None
         p = b.sampling_params
-        if p.top_k not in (-1, 0):
-            raise ApiError(400, "sampling_params.top_k: only -1 (no top-k) is served")
         try:
             stop_tokens, stop_strings = wire.stops(p.stop)
             req = msgspec.convert(dict(job_id="", sampler=b.sampling_session_id, seq_id=b.seq_id, tokens=tokens,
                                        num_samples=b.num_samples, max_tokens=p.max_tokens or 16,
-                                       temperature=p.temperature, top_p=p.top_p, stop_tokens=stop_tokens,
+                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                       stop_tokens=stop_tokens,
                                        stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs),
                                   TinkerSample)
         except (wire.WireError, msgspec.ValidationError) as e:

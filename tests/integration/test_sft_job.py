@@ -201,3 +201,48 @@ async def test_a_restarted_learner_resumes_the_sft_job_in_the_same_order(service
     await sub.unsubscribe()
     assert last is not None and last.policy_version == steps
     assert (checkpoint.job_dir(home, job_id) / "final" / "adapter_config.json").is_file()
+
+
+async def test_an_sft_then_grpo_pipeline_starts_rl_from_the_sft_policy(services, nats_url, tmp_path, tiny_model,
+                                                                       bus):
+    """`opentinker train sft.toml grpo.toml` (upstream OpenTinker #18): the GRPO stage is
+    submitted once the SFT stage completed, with `init_from` the SFT job, and samples its
+    first steps with the SFT job's policy: its version-0 weights are the SFT job's last."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from opentinker.schemas import JobRecord
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    services.start("scheduler")
+    services.start("learner")
+    services.start("envhost", args=["--env", f"{fixtures / 'user_env.py'}:LengthGame"])
+    services.start("rollout", "engine=hf")
+    rows = [{"messages": [{"role": "user", "content": f"Say {k} words."}, {"role": "assistant", "content": "yes " * k}]}
+            for k in range(1, 9)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lora = f'model = "{tiny_model}"\nlora_rank = 4\nseed = 3\n'
+    (tmp_path / "sft.toml").write_text(f'name = "sft"\nalgorithm = "sft"\n{lora}steps = 2\nsft_batch_size = 4\n'
+                                       f'micro_batch_size = 2\nlr = 1e-2\nsft_data = "{data}"\n')
+    (tmp_path / "grpo.toml").write_text(f'name = "rl"\nenv = "user-length"\nengine = "hf"\n{lora}steps = 2\n'
+                                        'prompts_per_step = 2\ngroup_size = 3\nlr = 1e-3\n'
+                                        '[sampling]\nmax_new_tokens = 8\nmax_total_tokens = 256\n')
+    cli = [sys.executable, "-m", "opentinker.cli", "--nats-url", nats_url, "train",
+           str(tmp_path / "sft.toml"), str(tmp_path / "grpo.toml")]
+    got = await asyncio.to_thread(subprocess.run, cli, capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = got.stdout + got.stderr
+    assert got.returncode == 0, out + services.logs()
+    ids = [line.split()[1] for line in out.splitlines() if line.startswith("job ") and " submitted to " in line]
+    sft_id, rl_id = ids
+    assert "stage 1/2" in out and f"stage 2/2: {tmp_path / 'grpo.toml'} (from job {sft_id})" in out, out
+    assert f"job {sft_id} completed at step 2" in out and f"job {rl_id} completed at step 2" in out, out
+    assert "loss" in out and "reward" in out  # both stages' steps printed
+    rec, _ = await bus.job_record(rl_id)
+    assert isinstance(rec, JobRecord) and rec.spec.init_from == sft_id
+    sft_events = await bus.read_subject(S.job(sft_id, "weights"), WeightsPublished)
+    rl_events = await bus.read_subject(S.job(rl_id, "weights"), WeightsPublished)
+    assert [w.policy_version for w in sft_events] == [1, 2]
+    assert rl_events[0].policy_version == 0 and rl_events[0].sha256 == sft_events[-1].sha256
+    assert [w.policy_version for w in rl_events] == [0, 1, 2]

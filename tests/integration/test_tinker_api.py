@@ -204,6 +204,10 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services):
                                                                opponents={"white": alices_job}),
                                                   api_key=keys["bob"].removeprefix("tml-")), SubmitReply)
     assert not reply.ok and reply.field == "opponents" and f"no job {alices_job!r} of yours" in reply.error, reply
+    # nor by starting a job from alice's policy
+    reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(model=tiny_model, init_from=alices_job),
+                                                  api_key=keys["bob"].removeprefix("tml-")), SubmitReply)
+    assert not reply.ok and reply.field == "init_from" and f"no job {alices_job!r} of yours" in reply.error, reply
 
 
 def rl_datum(prompt: list[int], seq, advantage: float) -> "tinker.Datum":
@@ -256,9 +260,13 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
         eos = tok.eos_token_id
         one = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=2, include_prompt_logprobs=True,
                                   sampling_params=tinker.SamplingParams(max_tokens=6, stop=[eos])).result()
-        return rewards, base_rate, one, len(prompt), oov
+        # top_k = 1 leaves one token per step: greedy, each sampled logprob 0 (the processed distribution's)
+        top1 = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=4,
+                                   sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0,
+                                                                         top_k=1)).result()
+        return rewards, base_rate, one, len(prompt), oov, top1
 
-    rewards, base_rate, one, n_prompt, oov = await asyncio.to_thread(run_sdk, base, keys["alice"], loop)
+    rewards, base_rate, one, n_prompt, oov, top1 = await asyncio.to_thread(run_sdk, base, keys["alice"], loop)
     assert "out of the model's vocabulary" in oov, oov
     print(f"base model: {base_rate:.3f} (64 samples); reward by iteration: {[round(x, 3) for x in rewards]}")
     # the last three iterations (48 samples) against the base model's rate (64 samples):
@@ -268,3 +276,5 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
     assert all(s.logprobs is not None and len(s.logprobs) == len(s.tokens) for s in one.sequences)
     assert len(one.prompt_logprobs) == n_prompt and one.prompt_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in one.prompt_logprobs[1:])
+    assert len({tuple(s.tokens) for s in top1.sequences}) == 1
+    assert all(lp == pytest.approx(0.0, abs=1e-4) for s in top1.sequences for lp in s.logprobs)

@@ -51,8 +51,10 @@ def test_a_finished_job_an_unfinished_one_names_stays():
     rival = rec("rival", age_days=90, state=JobState.COMPLETED)
     user = rec("user-job", state=JobState.QUEUED, algorithm="tinker", tinker_init="src/step-8")
     seats = rec("seats", state=JobState.RUNNING, agents=2, opponents={"o": "rival"})
-    assert named_jobs([source, rival, user, seats]) == {"src", "rival"}
-    assert expired_records([source, rival, user, seats], NOW, 30, 200) == []
+    sft = rec("sft", age_days=90, state=JobState.COMPLETED, algorithm="sft", sft_data="d.jsonl")
+    rl = rec("rl", state=JobState.RUNNING, init_from="sft")  # an RL stage starting from the SFT job
+    assert named_jobs([source, rival, user, seats, sft, rl]) == {"src", "rival", "sft"}
+    assert expired_records([source, rival, user, seats, sft, rl], NOW, 30, 200) == []
     # a finished one naming them protects nothing; `in_use` (other pools' jobs) does
     done = msgspec.structs.replace(user, state=JobState.CANCELLED)
     assert set(ids(expired_records([source, rival, done], NOW, 30, 200))) == {"src", "rival"}

@@ -26,6 +26,24 @@ def test_top_p_keeps_the_nucleus_and_renormalizes():
     assert torch.allclose(lp, (logits[0] / 2).log_softmax(-1)[tok], atol=1e-5)
 
 
+def test_top_k_keeps_the_k_most_likely_tokens_and_renormalizes():
+    from opentinker.services.rollout.engine_hf import sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [-1.0, 0.0, 3.0, 1.0]]).repeat(1000, 1)
+    g = torch.Generator().manual_seed(0)
+    k = torch.tensor([2, 1]).repeat(1000)
+    tok, lp = sample(logits, torch.ones(2000), torch.ones(2000), g, k)
+    assert set(tok[0::2].tolist()) == {0, 1} and set(tok[1::2].tolist()) == {2}
+    p = logits[0].softmax(-1)
+    assert torch.allclose(lp[0::2], torch.log(p[tok[0::2]] / (p[0] + p[1])), atol=1e-5)
+    assert torch.allclose(lp[1::2], torch.zeros(1000), atol=1e-6)  # k = 1: the one token, logprob 0
+    # k <= 0 keeps every token; top-k then top-p: k = 3 leaves 0.665 / 0.245 / 0.090, top_p 0.9 keeps two
+    tok, lp = sample(logits[:2], torch.ones(2), torch.ones(2), g, torch.tensor([0, -1]))
+    assert torch.allclose(lp, logits[:2].log_softmax(-1).gather(-1, tok[:, None])[:, 0], atol=1e-5)
+    tok, _ = sample(logits[0::2], torch.ones(1000), torch.full((1000,), 0.9), g, torch.full((1000,), 3))
+    assert set(tok.tolist()) == {0, 1}
+
+
 def test_batched_generation_logprobs_match_a_forward_pass(tiny_model):
     from opentinker.services.rollout.engine_hf import HFEngine
 

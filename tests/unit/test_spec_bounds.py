@@ -126,6 +126,14 @@ def test_top_p_below_one_is_refused_for_training_only():
         spec_from_dict({}, "serve")
 
 
+def test_top_k_is_refused_for_training_only():
+    e = refused({"sampling": {"top_k": 20}})
+    assert e.field == "sampling.top_k" and "top k" in e.reason
+    assert spec_from_dict({"sampling": {"top_k": 20}}, "inference").sampling.top_k == 20
+    assert spec_from_dict({"sampling": {"top_k": 0}}).sampling.top_k == 0  # 0 and -1: every token
+    assert refused({"sampling": {"top_k": -2}}, "inference").field == "sampling.top_k"
+
+
 def test_data_parallel_ranks_are_for_grpo_jobs():
     assert spec_from_dict({"learner_ranks": 2}).learner_ranks == 2
     e = refused({"algorithm": "sft", "sft_data": "d.jsonl", "learner_ranks": 2})
@@ -199,3 +207,12 @@ def test_dtype_auto_is_bfloat16_only_where_the_device_computes_it_and_a_cpu_samp
     assert resolve_sampler_dtype("float32", "cpu", "bfloat16") == "float32"
     assert resolve_sampler_dtype("bfloat16", "cpu", "float32") == "bfloat16"
     assert resolve_sampler_dtype("auto", "cuda", "float32") == "bfloat16"
+
+
+def test_init_from_names_a_job_for_a_grpo_or_sft_job_only():
+    assert spec_from_dict({"init_from": "sft-1a2b"}).init_from == "sft-1a2b"
+    assert spec_from_dict({"algorithm": "sft", "sft_data": "d.jsonl", "init_from": "sft-1a2b"}).init_from
+    for bad in ({"init_from": "../etc"}, {"init_from": "Job_1"},
+                {"algorithm": "tinker", "init_from": "sft-1a2b"}):
+        e = refused(bad)
+        assert e.field == "init_from" and "job id of yours" in e.reason, e
