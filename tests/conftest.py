@@ -29,11 +29,6 @@ if not os.environ.get("OPENTINKER_ADMIN_KEY"):
 os.environ.setdefault("OPENTINKER_API_KEY", os.environ["OPENTINKER_ADMIN_KEY"])
 
 
-# Under pytest-xdist (scripts/test.sh runs `-n 2`) these run first, longest first: the
-# suite's tail is then short files and unit tests, which keep both workers busy.
-LONG_FIRST = ("tests/adversarial",)
-
-
 @functools.cache
 def _uses_world(path: str) -> bool:
     """Whether a test of the file at `path` (relative to the repository) takes the
@@ -42,21 +37,20 @@ def _uses_world(path: str) -> bool:
 
 
 def _work_unit(nodeid: str) -> str:
-    """The unit of work a pytest-xdist worker takes whole: the test's file (its module
-    fixtures built once), or tests/adversarial for every test of a file that takes the
-    shared stack `world` (started once per worker, so all on one)."""
+    """The unit of work a pytest-xdist worker (scripts/test.sh runs `-n 2`) takes whole:
+    the test's file (its module fixtures built once), or tests/adversarial for every test
+    of a file that takes the shared stack `world` (started once per worker, so all on one)."""
     path = nodeid.split("::", 1)[0]
     return "tests/adversarial" if path.startswith("tests/adversarial/") or _uses_world(path) else path
 
 
 def pytest_collection_modifyitems(config, items):
-    """The order of the run (and of the work units sent to xdist's workers): LONG_FIRST,
-    then integration files, then unit files; stable within each."""
-    def rank(item) -> tuple[int, int]:
+    """The order of the run (and of the work units sent to xdist's workers), longest unit
+    first so that the tail is short files that keep both workers busy: tests/adversarial
+    (the `world` unit), then integration files, then unit files; stable within each."""
+    def rank(item) -> int:
         unit = _work_unit(item.nodeid)
-        if unit in LONG_FIRST:
-            return (0, LONG_FIRST.index(unit))
-        return (1, 0) if unit.startswith("tests/integration/") else (2, 0)
+        return 0 if unit == "tests/adversarial" else 1 if unit.startswith("tests/integration/") else 2
 
     items.sort(key=rank)
 

@@ -39,9 +39,7 @@ def resolve_model(model: str, home: str) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".convert.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # many processes may ask at once
-        if not (out / "config.json").exists():
-            _convert_gguf(out, Path(home))
-    return str(out)
+        return _publish(out, lambda folder: _convert_gguf(folder, Path(home)))
 
 
 def _find_gguf(home: Path) -> Path:
@@ -87,10 +85,8 @@ def _convert_gguf(out: Path, home: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
 
 
 def _publish(out: str | Path, write) -> str:

@@ -427,9 +427,9 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
     (aggregation_weights), default token-mean over this batch.
     Per token, with old = logp_prox when given, else logp_behav:
       r = exp(logp - old) (ratio_level "sequence" or surrogate "gspo": exp of the mean
-      over the sequence, GSPO); pg = the surrogate's loss, for "ppo" -min(r A, clip(r, 1 - clip_low,
-      1 + clip_high) A), with dual_clip c at most -c A where A < 0; times the behaviour correction w
-      (rollout_is_weights, no gradient); plus kl_coef * KL_est(logp, logp_ref) minus
+      over the sequence, GSPO); pg = the surrogate's loss, for "ppo" -min(r A,
+      clip(r, 1 - clip_low, 1 + clip_high) A), with dual_clip c at most -c A where A < 0;
+      times the behaviour correction w (rollout_is_weights, no gradient); plus kl_coef * KL_est(logp, logp_ref) minus
       entropy_coef * entropy. loss = sum_b weights_b sum_t mask_bt * l_bt.
     Sources: PPO clip, Schulman et al. 2017, arXiv 1707.06347 eq. 7; GRPO, arXiv
     2402.03300 eq. 3; and those of LossConfig, surrogates.py and rollout_is_weights.

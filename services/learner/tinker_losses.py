@@ -24,15 +24,15 @@ bounds themselves (config keys clip_low_threshold / clip_high_threshold, e.g. 0.
 at 3e-4 and 4e-4; Tinker's page gives no default); dro's beta has no documented default,
 so it is required. gspo's mask M is the `sequence_ratio_mask` input (nonzero = in the
 ratio), or, without it, the tokens with A != 0 (the sampled ones: a prompt position's
-`logprobs` is not a sampler's logprob). Per-token bounds may also come as [N] loss_fn_inputs arrays (the SDK's
-datum.py lists clip_low_threshold / clip_high_threshold as input keys); an array wins
+`logprobs` is not a sampler's logprob). Per-token bounds may also come as [N]
+loss_fn_inputs arrays (the SDK's datum.py lists clip_low_threshold / clip_high_threshold as input keys); an array wins
 over the config value of the same name.
 
 Sources: Tinker docs, https://tinker-docs.thinkingmachines.ai/losses and the per-loss
 pages under https://tinker-docs.thinkingmachines.ai/tinker/losses/ (ppo, cispo, dro);
 PPO: Schulman et al. 2017, arXiv 1707.06347 eq. 7; GSPO: Zheng et al. 2025, arXiv
-2507.18071 (the GSPO-token form, as Tinker implements it); CISPO: MiniMax-M1, arXiv 2506.13585
-eq. 4; DRO: Richemond et al. 2024, arXiv 2405.19107 (and Kimi k1.5, arXiv 2501.12599).
+2507.18071 (the GSPO-token form, as Tinker implements it); CISPO: MiniMax-M1, arXiv
+2506.13585 eq. 4; DRO: Richemond et al. 2024, arXiv 2405.19107 (and Kimi k1.5, arXiv 2501.12599).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     x = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     if top_k is not None and bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k, x.shape[-1]).clamp(max=x.shape[-1])
-        kth = x.sort(-1, descending=True).values.gather(-1, (k - 1)[:, None])
+        kth = x.topk(int(k.max()), -1).values.gather(-1, (k - 1)[:, None])  # the k-th largest, per row
         x = x.masked_fill(x < kth, float("-inf"))
     if bool((top_p < 1).any()):
         sorted_x, order = x.sort(-1, descending=True)
