@@ -17,6 +17,7 @@ StepResult`) runs unchanged:
         def get_interaction_name(self) -> str: ...         # default: "my" for MyGame
         def get_tools(self) -> list[dict]: ...             # tools the model may call
         def get_initial_images(self) -> list: ...          # images for a vision-language model
+        def get_privileged_context(self) -> str: ...       # what a distillation teacher also reads
 
 `__init__(**env_args)` receives the job's `env_args`. One instance serves one episode.
 
@@ -42,6 +43,11 @@ pathlib.Path naming an image file. A message's images are placed, in order, befo
 text. The envhost checks them with environment/images.py (at most 8 a message, each at
 most 2 MiB encoded and 4096 x 4096 pixels); an image it cannot read or over a limit
 ends the episode with an error naming it, like an exception in `step`.
+
+Privileged context (on-policy self-distillation): `get_privileged_context()`, asked after
+`reset` when a job's teacher reads it (JobSpec teacher_context = "privileged"), is text
+the teacher reads after the first user message and the policy never sees: the answer,
+a reference solution, a hint.
 
 Tool use: an env that returns OpenAI-style function schemas from `get_tools()` has
 them rendered by the model's chat template when the template defines tools (and its
@@ -123,6 +129,13 @@ class AbstractGame:
         `PIL.Image.Image`, PNG or JPEG file bytes, or a path to an image file. Asked
         after `reset` and the first user message. Default: none."""
         return []
+
+    def get_privileged_context(self) -> str:
+        """Text a distillation teacher reads after the first user message and the policy
+        never sees (JobSpec teacher_context = "privileged"), e.g. the answer or a reference
+        solution: on-policy self-distillation (OPSD, arXiv 2601.18734) scores the
+        policy's tokens by a teacher that knows it. Asked after `reset`. Default: ""."""
+        return ""
 
     def get_state(self) -> dict[str, Any]:
         """The current game state, for debugging and display. Default: {}."""

@@ -37,6 +37,8 @@ class EnvResetRequest(Message, frozen=True, kw_only=True):
     job_id: str = ""
     env_args: dict[str, Any] = msgspec.field(default_factory=dict)
     state: dict[str, Any] = msgspec.field(default_factory=dict)
+    # ask for the env's get_privileged_context() (a distillation teacher's context)
+    privileged: bool = False
 
 
 class AgentOpening(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +67,9 @@ class EnvResetReply(Message, frozen=True, kw_only=True):
     # the images shown with the first user message, in order (PNG or JPEG bytes; the
     # env's `get_initial_images()`, checked by environment/images.py)
     images: list[bytes] = msgspec.field(default_factory=list)
+    # with EnvResetRequest.privileged: the env's get_privileged_context(), what a
+    # distillation teacher reads after the first user message and the policy never sees
+    privileged_context: str = ""
 
 
 class EnvStepRequest(Message, frozen=True, kw_only=True):
@@ -174,7 +179,8 @@ def check_env_reply(reply: msgspec.Struct) -> str:
             checks.append(f"`state`: {n} bytes is over the limit of {MAX_ENV_STATE_BYTES}")
     elif isinstance(reply, EnvResetReply):
         checks += [_text("system_prompt", reply.system_prompt), _text("user_message", reply.user_message),
-                   _images(reply.images), _json("tools", reply.tools)]
+                   _text("privileged_context", reply.privileged_context), _images(reply.images),
+                   _json("tools", reply.tools)]
         if len(reply.tools) > MAX_ENV_TOOLS:
             checks.append(f"`tools`: {len(reply.tools)} tool schemas is over the limit of {MAX_ENV_TOOLS}")
         if len(reply.agents) > MAX_ENV_SEATS or len(reply.acting) > MAX_ENV_SEATS:

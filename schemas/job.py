@@ -204,6 +204,28 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "Seats played by another job's policy instead: seat -> job id (the user's own, of the same model), its "
         "newest weights each generation round. Those seats are logged and measured (`reward_mean/<seat>`), "
         "not trained; at most `agents` - 1 of them.")) = msgspec.field(default_factory=dict)
+    teacher: Doc(Literal["none", "job", "base", "self"], (
+        "On-policy distillation (GRPO jobs): whose logprobs score each sampled token; a policy token's advantage "
+        "gains -`distill_coef` (log pi_sampler(t) - log pi_teacher(t)), the per-token reverse KL to the teacher "
+        "(tinker-cookbook's on-policy distillation; GKD arXiv 2306.13649). `job`: `teacher_job`'s newest "
+        "weights; `base`: the model's own weights; `self`: the job's current policy, with `teacher_context = "
+        "\"privileged\"` (on-policy self-distillation, OPSD arXiv 2601.18734). The rollout worker scores the "
+        "episode after sampling it (prompt logprobs, temperature 1, so `sampling.temperature` must be 1). "
+        "Reported: `teacher_kl`.")) = "none"
+    teacher_job: Doc(str, (
+        "With `teacher = \"job\"`: the teaching job, the user's own, of the same `model` (the scheduler "
+        "checks), e.g. a GRPO job that learned the task.")) = ""
+    teacher_context: Doc(Literal["none", "privileged"], (
+        "`privileged`: the teacher reads the first user message followed by the env's "
+        "`get_privileged_context()` (e.g. the answer or a reference solution), which the policy never sees "
+        "(docs/environments.md); `none`: the teacher reads what the policy read.")) = "none"
+    distill_coef: Bounded(float, 0, 100, doc=(
+        "alpha, the weight of the per-token reverse KL to the `teacher` in the advantage: > 0 with a teacher, "
+        "0 without.")) = 0.0
+    distill_only: Doc(bool, (
+        "With a teacher: the advantage is the distillation term alone, as in the cookbook's recipe (the env's "
+        "reward is logged, not trained on); false: the term is added to the group-relative advantage "
+        "(upstream OpenTinker's A_rl - alpha (log pi - log pi_teacher)).")) = False
     advantage_estimator: Doc(AdvantageEstimator, (
         "`grpo`: (r - mean) / std (arXiv 2402.03300); `dr_grpo`: r - mean (Dr. GRPO, arXiv 2503.20783); "
         "`rloo`: the leave-one-out baseline (arXiv 2402.14740); `reinforce_pp`: group-centred, divided by the "
@@ -407,6 +429,7 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
     for seat, job in spec.opponents.items():
         _check(SEAT_RE.match(seat) is not None, "opponents", f"seat {seat[:80]!r} must match [A-Za-z0-9_-]{{1,64}}")
         _check(JOB_ID_RE.match(job) is not None, "opponents", f"seat {seat!r}: {job[:80]!r} is not a job id")
+    _check_teacher(spec)
     _check(not spec.tinker_init or (spec.algorithm == "tinker" and TINKER_INIT_RE.match(spec.tinker_init) is not None),
            "tinker_init", "only a tinker session starts from a save: <job_id>/<name>")
     _check(not spec.init_from or (spec.algorithm in ("grpo", "sft") and JOB_ID_RE.match(spec.init_from) is not None),
@@ -442,6 +465,34 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
                f"must be -1 or 0 for a GRPO training job (got {s.top_k!r}): the learner scores every token, "
                "not the top k, so the importance ratio would be wrong (inference jobs may use top_k > 0)")
     return spec
+
+
+def _check_teacher(spec: JobSpec) -> None:
+    """The distillation options (JobSpec.teacher): a teacher only for a GRPO job of one
+    seat, sampling at temperature 1 (the teacher's logprobs are of its untempered
+    distribution), a positive coefficient exactly when there is a teacher."""
+    on = spec.teacher != "none"
+    _check(on == (spec.distill_coef > 0), "distill_coef",
+           f"is the weight of the KL to the teacher: > 0 with a teacher, 0 without (got {spec.distill_coef!r} "
+           f"with teacher = {spec.teacher!r})")
+    _check((spec.teacher == "job") == bool(spec.teacher_job), "teacher_job",
+           f"names the teaching job exactly when teacher = 'job' (got {spec.teacher_job[:80]!r} with "
+           f"teacher = {spec.teacher!r})")
+    _check(not spec.teacher_job or JOB_ID_RE.match(spec.teacher_job) is not None, "teacher_job",
+           f"{spec.teacher_job[:80]!r} is not a job id")
+    _check(spec.teacher_context == "none" or on, "teacher_context", "privileged context is for a teacher")
+    _check(spec.teacher != "self" or spec.teacher_context == "privileged", "teacher",
+           "'self' teaches with privileged context only (teacher_context = 'privileged'): the policy's own "
+           "logprobs on what it read are the sampler's, a KL of 0")
+    _check(not spec.distill_only or on, "distill_only", "needs a teacher")
+    if on:
+        _check(spec.algorithm == "grpo", "teacher", f"distillation is for GRPO jobs (algorithm {spec.algorithm!r})")
+        _check(spec.agents == 1, "teacher", f"distillation scores single-seat episodes (agents = {spec.agents})")
+        _check(spec.sampling.temperature == 1, "sampling.temperature",
+               f"must be 1 with a teacher (got {spec.sampling.temperature!r}): the reverse KL compares the "
+               "sampler's logprobs with the teacher's at temperature 1")
+        _check(not (spec.distill_only and spec.dynamic_sampling), "dynamic_sampling",
+               "replaces groups of equal rewards, which distill_only does not train on")
 
 
 def max_generated_tokens(spec: JobSpec) -> int:

@@ -56,6 +56,11 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     agents: Bounded(int, 1, 8) = 1
     # seats another job's policy plays (JobSpec.opponents: seat -> job id)
     opponents: dict[str, str] = msgspec.field(default_factory=dict)
+    # on-policy distillation (JobSpec.teacher, .teacher_job, .teacher_context): after an
+    # episode, the worker scores its tokens with the teacher's policy (Trajectory.teacher_logprobs)
+    teacher: Literal["none", "job", "base", "self"] = "none"
+    teacher_job: str = ""
+    teacher_context: Literal["none", "privileged"] = "none"
 
 
 class TurnRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,6 +102,9 @@ class Trajectory(Message, frozen=True, kw_only=True):
     policy_of:   the job whose policy played this seat when it is not the trajectory's
                  own job (JobSpec.opponents): its versions are that job's, and the
                  learner never trains on it
+    teacher_logprobs: [seq] float with a teacher (RolloutRequest.teacher): the teacher's
+                 logprob of each policy token (temperature 1; with privileged context,
+                 after the teacher's own prompt), 0.0 elsewhere; [] without one
     images:      every image the policy saw (PNG or JPEG bytes), in the order their
                  placeholder tokens appear in token_ids: the first prompt's, then each
                  turn's observation's (TurnRecord.images of them). The learner feeds
@@ -131,6 +139,7 @@ class Trajectory(Message, frozen=True, kw_only=True):
     game_id: str = ""
     images: list[bytes] = msgspec.field(default_factory=list)
     policy_of: str = ""
+    teacher_logprobs: list[float] = msgspec.field(default_factory=list)
 
     @property
     def correct(self) -> bool:

@@ -144,7 +144,8 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     ends at the first of them (inclusive), besides the model's own end-of-sequence; at
     most MAX_STOP_TOKENS ids and MAX_STOP_STRINGS strings of 1 to MAX_STOP_STRING_CHARS
     characters (a decode error names the field otherwise).
-    prompt_logprobs: also the logprob of every prompt token after the first.
+    prompt_logprobs: also the logprob of every prompt token after the first;
+    prompt_logprobs_last_n > 0: of the last that many only (the others NaN).
     """
 
     job_id: str
@@ -163,6 +164,7 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     stop_strings: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = msgspec.field(
         default_factory=list)
     prompt_logprobs: bool = False
+    prompt_logprobs_last_n: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAMPLE_PROMPT_TOKENS)] = 0
 
 
 class SampledSequence(msgspec.Struct, frozen=True, kw_only=True):

@@ -133,6 +133,16 @@ def opening_images(game: AbstractGame) -> list[bytes]:
     return check_images(game.get_initial_images())
 
 
+def privileged_context(game: AbstractGame) -> str:
+    """What a distillation teacher reads after the first user message (JobSpec
+    teacher_context = "privileged"): `game.get_privileged_context()`, asked after
+    `reset`. Raises TypeError unless it is a str."""
+    text = game.get_privileged_context()
+    if not isinstance(text, str):
+        raise TypeError(f"get_privileged_context must return a str, got {type(text).__name__}")
+    return text
+
+
 def open_multi_episode(cls: type[MultiAgentGame], env_args: dict[str, Any],
                        state: dict[str, Any]) -> tuple[MultiAgentGame, list[AgentOpening], list[str]]:
     """Construct a multi-agent game and reset it. Returns (game, each seat's opening in
@@ -291,6 +301,7 @@ class EnvHost:
             else:
                 game, system, user, tools = await self._user(open_episode, cls, env_args, req.state)
                 images = await self._user(opening_images, game)
+                privileged = await self._user(privileged_context, game) if req.privileged else ""
         except Exception as e:  # user code
             return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
         key = (req.job_id, req.episode_id)
@@ -299,7 +310,7 @@ class EnvHost:
             return self.bounded(EnvResetReply(host_id=self.host_id, agents=openings, acting=acting), key)
         self.episodes[key] = Episode(name, game, time.monotonic())
         return self.bounded(EnvResetReply(host_id=self.host_id, system_prompt=system, user_message=user,
-                                          tools=tools, images=images), key)
+                                          tools=tools, images=images, privileged_context=privileged), key)
 
     async def step(self, req: EnvStepRequest, m: Msg) -> EnvStepReply:
         key = (req.job_id, req.episode_id)

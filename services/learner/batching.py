@@ -70,6 +70,10 @@ def check_trajectory(traj: Trajectory, vocab_size: int) -> None:
         raise ValueError(f"Trajectory.token_ids: ids must be in [0, {vocab_size})")
     if not all(math.isfinite(x) and x <= 1e-3 for x in traj.logprobs):
         raise ValueError("Trajectory.logprobs: must be finite and <= 0")
+    if traj.teacher_logprobs and len(traj.teacher_logprobs) != n:
+        raise ValueError(f"Trajectory.teacher_logprobs: length {len(traj.teacher_logprobs)} != len(token_ids) {n}")
+    if not all(math.isfinite(x) and x <= 1e-3 for x in traj.teacher_logprobs):
+        raise ValueError("Trajectory.teacher_logprobs: must be finite and <= 0")
     if not math.isfinite(traj.reward):
         raise ValueError("Trajectory.reward: must be finite")
 
@@ -189,6 +193,46 @@ def step_advantages(trajs: Sequence[Trajectory], prompts_per_step: int, group_si
     zero_groups = [all(excluded[i] or _is_zero(advantages[i]) for i in range(g * group_size, (g + 1) * group_size))
                    for g in range(prompts_per_step)]
     return StepAdvantages(advantages, excluded, zero_groups)
+
+
+def distill_advantages(trajs: Sequence[Trajectory], adv: StepAdvantages, group_size: int, coef: float,
+                       only: bool = False) -> tuple[StepAdvantages, float]:
+    """On-policy distillation: each trained policy token's advantage gains
+    -coef * (log pi_sampler(t) - log pi_teacher(t)), minus the per-token reverse KL
+    from the sampler's policy to the teacher, estimated on the sampled token
+    (tinker-cookbook, tinker_cookbook/distillation/train_on_policy.py
+    `incorporate_kl_penalty` without a discount; GKD, Agarwal et al. 2024, arXiv
+    2306.13649; on-policy distillation, Lu & Thinking Machines 2025). With `only` that
+    term is the whole advantage (the cookbook's recipe); else it is added to the
+    group-relative one (upstream OpenTinker's A = A_rl - alpha (log pi - log pi_teacher)).
+
+    trajs: the step's episodes in group order, each trained one with `teacher_logprobs`
+    ([len(token_ids)]); adv: their step_advantages; group_size: episodes per group.
+    Returns the advantages as [len(token_ids)] lists (0 for an excluded episode, whose
+    exclusion stands), `zero_groups` recomputed, and the mean reverse KL per policy token
+    of the trained episodes (nats; NaN when there is none). Raises ValueError when a
+    trained episode has no teacher logprobs of its length.
+    """
+    out: list[Advantage] = []
+    kl_sum, tokens = 0.0, 0
+    for i, (t, a, excluded) in enumerate(zip(trajs, adv.advantages, adv.excluded)):
+        n = len(t.token_ids)
+        if excluded:
+            out.append([0.0] * n)
+            continue
+        if len(t.teacher_logprobs) != n:
+            raise ValueError(f"episode {i}: {len(t.teacher_logprobs)} teacher logprobs for {n} tokens")
+        base = [0.0] * n if only else list(a) if isinstance(a, Sequence) else [a * m for m in t.loss_mask]
+        for j, m in enumerate(t.loss_mask):
+            if m:
+                kl = t.logprobs[j] - t.teacher_logprobs[j]
+                base[j] -= coef * kl
+                kl_sum += kl
+                tokens += 1
+        out.append(base)
+    zero_groups = [all(adv.excluded[i] or _is_zero(out[i]) for i in range(g * group_size, (g + 1) * group_size))
+                   for g in range(len(trajs) // group_size)]
+    return StepAdvantages(out, list(adv.excluded), zero_groups), kl_sum / tokens if tokens else math.nan
 
 
 def _whiten(trajs: Sequence[Trajectory], advantages: list[Advantage], excluded: Sequence[bool]) -> list[Advantage]:

@@ -189,7 +189,8 @@ class JobRun(RunLifecycle):
                              group_size=spec.group_size, sampling=spec.sampling, engine=spec.engine,
                              sampler_dtype=spec.sampler_dtype,
                              purpose="train", attempt=self.attempt, policy_run=self.run_id, agents=spec.agents,
-                             opponents=spec.opponents)
+                             opponents=spec.opponents, teacher=spec.teacher, teacher_job=spec.teacher_job,
+                             teacher_context=spec.teacher_context)
         # the root of the group's trace: rollout, envhost and this learner's
         # trajectory spans follow it through the message headers
         worker = self.rollout_worker(i)
@@ -292,6 +293,8 @@ class JobRun(RunLifecycle):
                 raise ValueError(f"Trajectory.policy_of: {traj.policy_of!r} for seat {traj.agent!r}; the job's "
                                  f"opponents are {spec.opponents}")
             check_trajectory(traj, self.engine.vocab_size)
+            if spec.teacher != "none" and not traj.error and any(traj.loss_mask) and not traj.teacher_logprobs:
+                raise ValueError(f"Trajectory.teacher_logprobs: none, in a job taught by teacher = {spec.teacher!r}")
         except ValueError as e:
             await self.bus.dead_letter(m, str(e))
             await m.term()
@@ -516,6 +519,8 @@ class JobRun(RunLifecycle):
             "refilled": float(self.stats.refilled),
             "failed_over": float(self.stats.failed_over),
             "excluded_frac": out["excluded_frac"],
+            # on-policy distillation: the per-token reverse KL to the teacher (step.distill)
+            **({"teacher_kl": out["teacher_kl"]} if "teacher_kl" in out else {}),
             # no wasted compute: groups without signal, episodes not forwarded at all
             "zero_variance_frac": out["zero_variance_frac"],
             "skipped_frac": out["skipped_frac"],

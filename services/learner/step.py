@@ -6,7 +6,8 @@ logprobs for the KL in the reward, is a function passed in.
 plan_step reads as the step does:
 1. reward bonuses: DAPO's soft overlong penalty, the KL-in-reward penalty (reward_bonus);
 2. group-relative advantages, the episodes excluded from the loss (errors, the overlong
-   filter, opponents' seats) and the groups without signal (advantages);
+   filter, opponents' seats) and the groups without signal (advantages); with a
+   distillation teacher, each policy token's reverse KL to it (distill);
 3. the groups whose loss terms are all exactly 0, skipped from the forward
    (skipped_episodes);
 4. the update plan: PPO's epochs over mini-batches of the trainable episodes, the
@@ -25,8 +26,9 @@ import torch
 from opentinker.schemas import JobSpec, Trajectory
 from opentinker.schemas.job import max_generated_tokens
 from opentinker.schemas.stats import derived_seed
-from opentinker.services.learner.batching import (Batch, StepAdvantages, build_batch, micro_batch_indices,
-                                                  micro_batches, plan_updates, policy_tokens, step_advantages)
+from opentinker.services.learner.batching import (Batch, StepAdvantages, build_batch, distill_advantages,
+                                                  micro_batch_indices, micro_batches, plan_updates, policy_tokens,
+                                                  step_advantages)
 from opentinker.services.learner.loss import AggTotals, LossConfig, kl_estimate, lr_factor, overlong_penalty
 
 # micro-batches -> the reference policy's target-aligned logprobs [B, T] of each
@@ -45,7 +47,8 @@ class StepPlan(NamedTuple):
                    skipped episodes of its mini-batch
     lrs:           per update: its learning rate
     stats:         the step's excluded_frac, zero_variance_frac, skipped_frac (episodes
-                   not forwarded / episodes) and lr (the first update's; 0.0 for none)
+                   not forwarded / episodes) and lr (the first update's; 0.0 for none);
+                   with a teacher, teacher_kl (distill)
     """
 
     micro_batches: list[Batch]
@@ -101,6 +104,17 @@ def advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: Sequence[float
                            spec.turn_discount, spec.advantage_estimator, bonus, mask_out)
 
 
+def distill(trajs: Sequence[Trajectory], spec: JobSpec, adv: StepAdvantages) -> tuple[StepAdvantages, dict]:
+    """With a distillation teacher (spec.teacher): the advantages with each policy token's
+    reverse-KL term (batching.distill_advantages, weight spec.distill_coef, alone with
+    spec.distill_only) and {"teacher_kl": its mean per policy token} when a token was
+    trained; without one, `adv` and {}."""
+    if spec.teacher == "none":
+        return adv, {}
+    adv, kl = distill_advantages(trajs, adv, spec.group_size, spec.distill_coef, spec.distill_only)
+    return adv, ({} if kl != kl else {"teacher_kl": kl})
+
+
 def skipped_episodes(adv: StepAdvantages, spec: JobSpec) -> list[bool]:
     """[n_episodes] True where the episode need not be forwarded: with
     skip_zero_variance, an episode of a group whose advantages are all 0, when the loss
@@ -127,7 +141,7 @@ def plan_step(trajs: Sequence[Trajectory], spec: JobSpec, step: int, pad_id: int
     reward_bonus (needed only with kl_in_reward). Raises ValueError as reward_bonus and
     step_advantages do.
     """
-    adv = advantages(trajs, spec, reward_bonus(trajs, spec, pad_id, ref_logprobs))
+    adv, distilled = distill(trajs, spec, advantages(trajs, spec, reward_bonus(trajs, spec, pad_id, ref_logprobs)))
     skipped = skipped_episodes(adv, spec)
     trainable = [i for i, excluded in enumerate(adv.excluded) if not excluded]
     plan = plan_updates(trainable, skipped, [policy_tokens(t) for t in trajs], spec.mini_batches, spec.ppo_epochs,
@@ -144,5 +158,5 @@ def plan_step(trajs: Sequence[Trajectory], spec: JobSpec, step: int, pad_id: int
            for u in plan.updates]
     forwarded = sum(len(episodes) for episodes in plan.mini_batches)
     stats = {"excluded_frac": adv.excluded_frac, "zero_variance_frac": adv.zero_variance_frac,
-             "skipped_frac": 1.0 - forwarded / max(len(trajs), 1), "lr": lrs[0] if lrs else 0.0}
+             "skipped_frac": 1.0 - forwarded / max(len(trajs), 1), "lr": lrs[0] if lrs else 0.0, **distilled}
     return StepPlan(batches, updates, [u.totals for u in plan.updates], lrs, stats)

@@ -10,6 +10,8 @@ Each episode moves PENDING -> GENERATING <-> INTERACTING -> TERMINATED:
 - INTERACTING: the action text goes to `env.step`; unless the episode ends, the
   observation's tokens (a user turn in the chat template) are appended.
 - TERMINATED: env `done`, an env error, the turn limit or the token budget.
+  A request that names a distillation teacher has its ended episodes scored by the
+  teacher (teacher.py) before the group is handed on.
 
 A multi-agent env (JobSpec.agents > 1) plays each episode as a game of seats;
 coordinator.py runs its phases, and each seat joins the GENERATING rounds as an
@@ -56,7 +58,9 @@ from opentinker.schemas import (
 )
 from opentinker.schemas.rollout import SEATS_MISMATCH
 from opentinker.services.core import tracing
+from opentinker.services.rollout.chat import ChatRenderer
 from opentinker.services.rollout.coordinator import Coordinator, Game
+from opentinker.services.rollout.teacher import score_by_teachers, teacher_prompt
 
 
 @dataclass(frozen=True)
@@ -112,111 +116,6 @@ def episode_id(request_id: str, index: int) -> str:
     return f"{request_id}-e{index}"
 
 
-class ChatRenderer:
-    """Token ids for prompts and observations from a tokenizer's chat template, or a
-    vision-language model's processor's (`processor`, None for a text model)."""
-
-    _PLACEHOLDER = "\u2063ot-action\u2063"
-
-    def __init__(self, tokenizer: Any, processor: Any = None):
-        self.tok = tokenizer
-        self.processor = processor
-        self._closing: str | None = None
-        template = getattr(processor or tokenizer, "chat_template", None) or ""
-        #: the template renders `tools` (and `tool` messages): tool calls in its own format
-        self.supports_tools = isinstance(template, str) and "tools" in template
-        #: the text of one image's placeholder before expansion (e.g. "<image>")
-        self.image_token: str = getattr(processor, "image_token", "") or "" if processor is not None else ""
-
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-               tools: list[dict[str, Any]] | None = None) -> str:
-        kw = {"tools": tools} if tools and self.supports_tools else {}
-        return (self.processor or self.tok).apply_chat_template(messages, tokenize=False,
-                                                                add_generation_prompt=add_generation_prompt, **kw)
-
-    def message(self, role: str, text: str, images: int = 0) -> dict[str, Any]:
-        """A chat message: `text` as content, or with `images` the processor's parts
-        ([image] * images, then the text). Text from an env never carries placeholders
-        of its own: an image's place comes only from the images it sent. Raises
-        ValueError for images when the model is a text model."""
-        if images and not self.image_token:
-            raise ValueError(f"{images} images for a text model: serve a vision-language model")
-        if self.image_token:
-            text = text.replace(self.image_token, "")
-        if not images:
-            return {"role": role, "content": text}
-        return {"role": role, "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}
-
-    def ids(self, text: str, images: Sequence[bytes] = ()) -> list[int]:
-        """Token ids of rendered `text` (the template already holds any BOS/special
-        tokens as text); with `images`, each placeholder expanded by the processor into
-        the model's image tokens. Raises ValueError when the images do not match the
-        placeholders (or a text model is given images)."""
-        if not images:
-            return list(self.tok(text, add_special_tokens=False)["input_ids"])
-        if self.processor is None or not self.image_token:
-            raise ValueError(f"{len(images)} images for a text model: serve a vision-language model")
-        if (n := text.count(self.image_token)) != len(images):
-            raise ValueError(f"the chat template placed {n} image placeholders for {len(images)} images")
-        from opentinker.environment.images import decode_image
-
-        enc = self.processor(text=[text], images=[decode_image(b) for b in images], add_special_tokens=False)
-        return list(enc["input_ids"][0])
-
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                   images: Sequence[bytes] = ()) -> list[int]:
-        """The first prompt: `messages` (and `tools`, where the template defines them)
-        rendered with the generation prompt; `images` those of its image parts, in order."""
-        return self.ids(self.render(messages, add_generation_prompt=True, tools=tools), images)
-
-    def observation_role(self, tools: list[dict[str, Any]] | None) -> str:
-        """"tool" when the env declared tools and the template renders them, else "user"."""
-        return "tool" if tools and self.supports_tools else "user"
-
-    def closing(self) -> str:
-        """The text the template puts after an assistant message's content (e.g.
-        "<|im_end|>\\n" for ChatML)."""
-        if self._closing is None:
-            text = self.render([{"role": "user", "content": "x"},
-                                {"role": "assistant", "content": self._PLACEHOLDER}], False)
-            at = text.rfind(self._PLACEHOLDER)
-            self._closing = text[at + len(self._PLACEHOLDER):] if at >= 0 else ""
-        return self._closing
-
-    def observation_ids(self, history: list[dict[str, Any]], observation: str,
-                        last_token: int | None, finish_reason: str, role: str = "user",
-                        tools: list[dict[str, Any]] | None = None, images: Sequence[bytes] = ()) -> list[int]:
-        """Ids that close the last assistant turn and open the next one with
-        `observation` as a `role` message ("user", or "tool" for a tool result; with
-        `images` ahead of its text), ending in the generation prompt.
-
-        history: the conversation so far, ending with the assistant's action text.
-        The delta is the rendering with the new user message (and the generation
-        prompt) minus the rendering without it. The policy's own tokens are kept as
-        sampled, so what the template would put after the action comes first: all of
-        the assistant closing when the turn was cut at max_new_tokens, only its rest
-        when the sampled stop token is its start (ChatML: "\\n" after <|im_end|>).
-        """
-        obs = self.message(role, observation, len(images))
-        without = self.render(history, False, tools)
-        with_obs = self.render(history + [obs], True, tools)
-        if with_obs.startswith(without):
-            delta = with_obs[len(without):]
-        else:
-            # a template that rewrites earlier turns (e.g. strips reasoning from past
-            # assistant messages) is not prefix-stable; a neutral history still gives
-            # the text between turns
-            h = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-            a, b = self.render(h, False, tools), self.render(h + [obs], True, tools)
-            delta = b[len(a):] if b.startswith(a) else b
-        closing = self.closing()
-        if finish_reason == "stop" and last_token is not None:
-            stop_text = self.tok.decode([last_token], skip_special_tokens=False)
-            if stop_text and closing.startswith(stop_text):
-                closing = closing[len(stop_text):]
-        return self.ids(closing + delta, images)
-
-
 @dataclass
 class _Episode:
     req: RolloutRequest
@@ -240,6 +139,10 @@ class _Episode:
     agent: str = ""  # the seat of a multi-agent game
     game: Game | None = None
     policy_of: str = ""  # the job whose policy plays this seat ("" = the request's job)
+    # a distillation teacher's first prompt when it differs from the policy's (privileged
+    # context), and the teacher's logprobs of token_ids once scored (Trajectory.teacher_logprobs)
+    teacher_prompt: list[int] | None = None
+    teacher_logprobs: list[float] = field(default_factory=list)
 
     def fail(self, error: str) -> None:
         self.error = error
@@ -328,7 +231,9 @@ class AgentLoop:
         policy_version: awaited before each generation round; it makes sure the
         engine holds the policy to use and returns its version (recorded per turn).
         Awaited with a job id (`policy_version(job_id)`) before the round's generation
-        for the seats that job's policy plays (RolloutRequest.opponents).
+        for the seats that job's policy plays (RolloutRequest.opponents), and before a
+        distillation teacher's scoring (`policy_version(teacher_job)`, or
+        `policy_version(base=True)` for the model's own weights; teacher.py).
         on_group_done: awaited as soon as a group's episodes have all ended (publish
         and ack there, before slower groups finish).
         parents: request id -> the trace context its message carried (tracing.py);
@@ -355,14 +260,18 @@ class AgentLoop:
         results: dict[int, list[Trajectory]] = {}
 
         async def finish_ready() -> None:
-            for gi, g in enumerate(groups):
-                if not g.done and all(e.phase is Phase.TERMINATED for e in g.episodes):
-                    g.done = True
-                    results[gi] = [self._trajectory(e) for e in g.episodes]
-                    if on_group_done is not None:
-                        with tracing.within(g.span):
-                            await on_group_done(g.req, results[gi])
-                    g.span.end()
+            ready = [gi for gi, g in enumerate(groups)
+                     if not g.done and all(e.phase is Phase.TERMINATED for e in g.episodes)]
+            await score_by_teachers(self.engine, self.executor, [e for gi in ready for e in groups[gi].episodes],
+                                    policy_version, engine_lock)
+            for gi in ready:
+                g = groups[gi]
+                g.done = True
+                results[gi] = [self._trajectory(e) for e in g.episodes]
+                if on_group_done is not None:
+                    with tracing.within(g.span):
+                        await on_group_done(g.req, results[gi])
+                g.span.end()
 
         await asyncio.gather(*(self._start(g) for g in groups))
         await finish_ready()
@@ -488,8 +397,9 @@ class AgentLoop:
         t0 = time.perf_counter()
         try:
             with tracing.within(e.span), tracing.span("rollout.env_reset", kind=tracing.SpanKind.CLIENT):
-                reply = await self.env.reset(EnvResetRequest(env=r.env, episode_id=e.episode_id, job_id=r.job_id,
-                                                             env_args=r.env_args, state=state))
+                reply = await self.env.reset(EnvResetRequest(
+                    env=r.env, episode_id=e.episode_id, job_id=r.job_id, env_args=r.env_args, state=state,
+                    privileged=r.teacher_context == "privileged"))
         except EnvError as err:
             e.fail(f"env reset: {err}")
             return
@@ -506,7 +416,9 @@ class AgentLoop:
             return
         try:
             e.open_prompt(self.renderer, reply.system_prompt, reply.user_message, reply.tools, reply.images)
-        except ValueError as err:  # images the model cannot take
+            if r.teacher_context == "privileged":
+                e.teacher_prompt = teacher_prompt(self.renderer, r.env, reply)
+        except ValueError as err:  # images the model cannot take, no privileged context
             e.fail(f"env reset: {err}")
             await self._close(e)
             return
@@ -590,4 +502,4 @@ class AgentLoop:
             env=r.env, split=r.split, purpose=r.purpose, env_info=e.info, error=e.error, worker=self.worker,
             engine=self.engine.name, gen_ms=e.gen_ms, env_ms=e.env_ms, created_s=time.time(),
             agent=e.agent, game_id=e.game.game_id if e.game is not None else "", images=e.images,
-            policy_of=e.policy_of)
+            policy_of=e.policy_of, teacher_logprobs=e.teacher_logprobs)

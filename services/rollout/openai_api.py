@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field
 
 from opentinker.schemas import JobRecord, SamplingParams
 from opentinker.schemas.job import JOB_ID_RE
-from opentinker.services.rollout.agent_loop import ChatRenderer
+from opentinker.services.rollout.chat import ChatRenderer
 from opentinker.services.rollout.sampling import out_of_vocab
 
 if TYPE_CHECKING:

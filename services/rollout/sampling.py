@@ -107,6 +107,9 @@ def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[flo
     prompt: list[float] = []
     if req.prompt_logprobs:
         prompt = [float("nan") if x is None else x for x in engine.prompt_logprobs([list(req.tokens)])[0]]
+        if req.prompt_logprobs_last_n:  # Tinker's prompt_logprobs_last_n: the suffix only
+            cut = len(prompt) - req.prompt_logprobs_last_n
+            prompt = [float("nan")] * cut + prompt[cut:]
     return outs, prompt
 
 

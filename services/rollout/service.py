@@ -392,9 +392,11 @@ class RolloutWorker:
         run = reqs[0].policy_run
         pinned = next((r.policy_version for r in reqs if r.purpose == "eval"), None)
 
-        async def policy_version(of: str = "") -> int:
-            if of:  # an opponent job's seats: its newest policy (the scheduler checked it is the user's)
+        async def policy_version(of: str = "", base: bool = False) -> int:
+            if of:  # an opponent's seats or a teacher job: its newest policy (the scheduler checked it is the user's)
                 return await self.policies.ensure_weights(slot, of, await self.policies.newest_event(of, 0))
+            if base:  # a distillation teacher: the model's own weights
+                return await self.policies.ensure_weights(slot, job_id, None)
             if pinned is not None:  # the part holds one version's evaluation (handle)
                 return await self.policies.ensure_version(slot, job_id, pinned, run)
             return await self.policies.ensure_policy(slot, job_id, at_least, run)

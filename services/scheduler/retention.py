@@ -31,8 +31,8 @@ DAY_S = 86_400.0
 
 def named_jobs(recs: Iterable[JobRecord]) -> set[str]:
     """The jobs that unfinished records depend on: a `tinker_init` source
-    (`<job>/<checkpoint>`), an `init_from` job and the `opponents` whose policies play a
-    seat."""
+    (`<job>/<checkpoint>`), an `init_from` job, the `opponents` whose policies play a
+    seat and a distillation `teacher_job`."""
     out: set[str] = set()
     for r in recs:
         if not r.state.terminal:
@@ -41,6 +41,8 @@ def named_jobs(recs: Iterable[JobRecord]) -> set[str]:
                 out.add(r.spec.tinker_init.partition("/")[0])
             if r.spec.init_from:
                 out.add(r.spec.init_from)
+            if r.spec.teacher_job:
+                out.add(r.spec.teacher_job)
     return out
 
 

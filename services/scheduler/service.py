@@ -268,6 +268,12 @@ class Scheduler:
                     raise SpecError("init_from", f"job {cmd.spec.init_from!r} trains "
                                                  f"{models[cmd.spec.init_from]!r}, this job {changes['model']!r}: "
                                                  "a job starts from a policy of its own model")
+            if teacher := cmd.spec.teacher_job:
+                if teacher not in models:
+                    raise SpecError("teacher_job", f"no job {teacher!r} of yours")
+                if models[teacher] != changes["model"]:
+                    raise SpecError("teacher_job", f"job {teacher!r} trains {models[teacher]!r}, this job "
+                                                   f"{changes['model']!r}: a teacher scores tokens of its own model")
             for seat, other in cmd.spec.opponents.items():
                 if other not in models:
                     raise SpecError("opponents", f"seat {seat!r}: no job {other!r} of yours")

@@ -106,6 +106,7 @@ class SampleBody(_Body):
     sampling_params: SamplingParamsBody
     num_samples: int = 1
     prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = None
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
     prompt_alt_tokens_k: int = 0
@@ -318,6 +319,10 @@ def make_app(gw: Gateway) -> FastAPI:
                 tokens += msgspec.convert(c, EncodedText).tokens
             except msgspec.ValidationError as e:
                 raise ApiError(400, f"prompt.chunks[{i}]: {e}") from None
+        last_n = b.prompt_logprobs_last_n
+        if last_n is not None and not (b.prompt_logprobs and 1 <= last_n < len(tokens)):
+            raise ApiError(400, f"prompt_logprobs_last_n: must be 1 to len(prompt) - 1 = {len(tokens) - 1}, with "
+                                f"prompt_logprobs (got {last_n})")
         p = b.sampling_params
         try:
             stop_tokens, stop_strings = wire.stops(p.stop)
@@ -325,7 +330,8 @@ def make_app(gw: Gateway) -> FastAPI:
                                        num_samples=b.num_samples, max_tokens=p.max_tokens or 16,
                                        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                        stop_tokens=stop_tokens,
-                                       stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs),
+                                       stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs,
+                                       prompt_logprobs_last_n=last_n or 0),
                                   TinkerSample)
         except (wire.WireError, msgspec.ValidationError) as e:
             raise ApiError(400, str(e)) from None

@@ -5,7 +5,8 @@ GSPO's sequence ratio and Dr. GRPO's aggregation; RLOO with KL in the reward, th
 overlong penalty and CISPO's surrogate; REINFORCE++ with DRO's surrogate, a KL loss, an
 entropy bonus, epochs x mini-batches, a warmed-up cosine learning rate and token-budget micro-batches; DAPO's
 dynamic sampling, replacing groups without signal by fresh prompts; a bfloat16 sampler
-beside the float32 learner, its gap measured and corrected.
+beside the float32 learner, its gap measured and corrected; on-policy distillation from
+the base model's weights.
 The formulas themselves are checked by hand in tests/unit/test_loss_options.py; here
 each family must run end to end and report what it should."""
 
@@ -46,6 +47,8 @@ FAMILIES = {
     # prompts of even group seed reward 0 everywhere: their groups are replaced
     "dynamic": dict(max_staleness=0, env_args={"flat_every": 2}, dynamic_sampling=8),
     "precision": dict(max_staleness=0, rollout_is="token", sampler_dtype="bfloat16", skip_zero_variance=False),
+    # on-policy distillation from the base model's weights, the env's reward left out
+    "distill": dict(max_staleness=0, teacher="base", distill_coef=1.0, distill_only=True),
 }
 
 
@@ -85,7 +88,8 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
         assert sorted(steps) == [0, 1], fam
         for v in steps.values():
             assert all(math.isfinite(x) for x in v.values()), (fam, v)
-    a, c, r, u, d, p = (train[f] for f in ("async", "clip", "reward", "updates", "dynamic", "precision"))
+    a, c, r, u, d, p, t = (train[f] for f in ("async", "clip", "reward", "updates", "dynamic", "precision",
+                                              "distill"))
     # async: step 1 was sampled by policy 0 while step 0 trained, and corrected for it
     assert a[1]["policy_lag_max"] == 1 and a[0]["policy_lag_max"] == 0
     assert 0 < a[1]["is_weight_mean"] <= 4.0 and a[1]["mismatch_kl"] >= 0, a
@@ -110,3 +114,7 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     gap = {f: max(v["mismatch_kl"] for v in steps.values()) for f, steps in (("bf16", p), ("fp32", d))}
     assert all(v["policy_lag_max"] == 0 and v["mismatch_kl"] > 0 for v in p.values()), p
     assert gap["bf16"] > 100 * gap["fp32"], gap
+    # distillation: the rollout worker scored every policy token by the base weights; at
+    # policy version 0 those sampled it (KL 0 up to the engines' numerics), after one
+    # update they no longer did
+    assert abs(t[0]["teacher_kl"]) < 1e-3 and t[1]["teacher_kl"] != 0, t

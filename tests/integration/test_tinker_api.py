@@ -208,6 +208,11 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services):
     reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(model=tiny_model, init_from=alices_job),
                                                   api_key=keys["bob"].removeprefix("tml-")), SubmitReply)
     assert not reply.ok and reply.field == "init_from" and f"no job {alices_job!r} of yours" in reply.error, reply
+    # nor by having alice's policy teach his (on-policy distillation)
+    reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(model=tiny_model, teacher="job", teacher_job=alices_job,
+                                                               distill_coef=1.0),
+                                                  api_key=keys["bob"].removeprefix("tml-")), SubmitReply)
+    assert not reply.ok and reply.field == "teacher_job" and f"no job {alices_job!r} of yours" in reply.error, reply
 
 
 def rl_datum(prompt: list[int], seq, advantage: float) -> "tinker.Datum":
@@ -264,9 +269,14 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
         top1 = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=4,
                                    sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0,
                                                                          top_k=1)).result()
-        return rewards, base_rate, one, len(prompt), oov, top1
+        # what the cookbook's on-policy distillation asks of a teacher: the logprobs of a sequence
+        scored = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt)).result()
+        suffix = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt), prompt_logprobs_last_n=3).result()
+        scored = (scored, suffix)
+        return rewards, base_rate, one, len(prompt), oov, top1, scored
 
-    rewards, base_rate, one, n_prompt, oov, top1 = await asyncio.to_thread(run_sdk, base, keys["alice"], loop)
+    rewards, base_rate, one, n_prompt, oov, top1, scored = await asyncio.to_thread(run_sdk, base, keys["alice"],
+                                                                                 loop)
     assert "out of the model's vocabulary" in oov, oov
     print(f"base model: {base_rate:.3f} (64 samples); reward by iteration: {[round(x, 3) for x in rewards]}")
     # the last three iterations (48 samples) against the base model's rate (64 samples):
@@ -276,5 +286,8 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
     assert all(s.logprobs is not None and len(s.logprobs) == len(s.tokens) for s in one.sequences)
     assert len(one.prompt_logprobs) == n_prompt and one.prompt_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in one.prompt_logprobs[1:])
+    scored, suffix = scored
+    assert scored == pytest.approx(one.prompt_logprobs, abs=1e-4)
+    assert all(x is None for x in suffix[:-3]) and suffix[-3:] == pytest.approx(scored[-3:], abs=1e-4)
     assert len({tuple(s.tokens) for s in top1.sequences}) == 1
     assert all(lp == pytest.approx(0.0, abs=1e-4) for s in top1.sequences for lp in s.logprobs)

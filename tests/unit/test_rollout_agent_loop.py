@@ -12,7 +12,8 @@ from opentinker.schemas import (
     RolloutRequest,
     SamplingParams,
 )
-from opentinker.services.rollout.agent_loop import AgentLoop, ChatRenderer, EnvError
+from opentinker.services.rollout.agent_loop import AgentLoop, EnvError
+from opentinker.services.rollout.chat import ChatRenderer
 
 SYSTEM = "You count sheep."
 USER = "Say a number."

@@ -99,6 +99,10 @@ class ArithGame(AbstractGame):
     def get_initial_user_message(self) -> str:
         return question_of(self.op, self.a, self.b)
 
+    def get_privileged_context(self) -> str:
+        """The answer, for a distillation teacher (JobSpec teacher_context)."""
+        return f"The answer is {self.answer}."
+
     def step(self, action: str) -> StepResult:
         got = first_number(action)
         correct = same_number(got, self.answer)
