@@ -90,13 +90,11 @@ async def run_all(seeds: list[int]) -> dict:
     client = None
     try:
         client = await Client.connect(stack.nats_url)
+        teacher = ids[("rl", seeds[0])]  # trained first, then each seed's three jobs in turn
         for s in seeds:
             jobs[("rl", s)] = await run_job(client, load(CONFIGS["rl"], seed=s, eval_every=EVAL_EVERY), ids[("rl", s)])
-        teacher = ids[("rl", seeds[0])]
-        for s in seeds:
             jobs[("distill", s)] = await run_job(client, load(CONFIGS["distill"], seed=s, teacher_job=teacher),
                                                  ids[("distill", s)])
-        for s in seeds:
             jobs[("self", s)] = await run_job(client, load(CONFIGS["self"], seed=s), ids[("self", s)])
     finally:
         if client is not None:
