@@ -75,27 +75,35 @@ def tokens_to(c: dict, target: float) -> tuple[int | None, int | None]:
     return None, None
 
 
-async def run_all(seeds: list[int]) -> dict:
+async def run_all(seeds: list[int], prior: dict | None = None, rerun: tuple[str, ...] = (),
+                  over: dict | None = None) -> dict:
+    """Every job of every seed in a fresh home; with `prior` (an earlier results file of
+    this script, whose home bench/results/tmp/distill is still there), only the kinds in
+    `rerun`, with `over` on their configs, beside the earlier run's other jobs and teacher."""
     from faults import fresh_home
     from opentinker.ops.stack import Stack
     from opentinker.sdk import Client
     from selfplay_seeds import run_job
 
-    home = fresh_home("distill")
+    home = ROOT / "bench" / "results" / "tmp" / "distill" if prior else fresh_home("distill")
     os.environ["OPENTINKER_HOME"] = str(home)
     stamp = time.strftime("%H%M%S")
     ids = {(kind, s): f"{kind}-s{s}-{stamp}" for kind in CONFIGS for s in seeds}
+    if prior:
+        ids.update({(k, s): prior["ids"][f"{k}-s{s}"] for k in CONFIGS for s in seeds if k not in rerun})
+    todo = set(rerun) if prior else set(CONFIGS)
     jobs: dict[tuple[str, int], dict] = {}
     stack = Stack(home).start()
     client = None
     try:
         client = await Client.connect(stack.nats_url)
-        teacher = ids[("rl", seeds[0])]  # trained first, then each seed's three jobs in turn
-        for s in seeds:
-            jobs[("rl", s)] = await run_job(client, load(CONFIGS["rl"], seed=s, eval_every=EVAL_EVERY), ids[("rl", s)])
-            jobs[("distill", s)] = await run_job(client, load(CONFIGS["distill"], seed=s, teacher_job=teacher),
-                                                 ids[("distill", s)])
-            jobs[("self", s)] = await run_job(client, load(CONFIGS["self"], seed=s), ids[("self", s)])
+        teacher = prior["teacher"] if prior else ids[("rl", seeds[0])]  # trained first
+        for s in seeds:  # each seed's jobs in turn
+            specs = {"rl": load(CONFIGS["rl"], seed=s, eval_every=EVAL_EVERY),
+                     "distill": load(CONFIGS["distill"], seed=s, teacher_job=teacher, **(over or {})),
+                     "self": load(CONFIGS["self"], seed=s, **(over or {}))}
+            for kind in [k for k in CONFIGS if k in todo]:
+                jobs[(kind, s)] = await run_job(client, specs[kind], ids[(kind, s)])
     finally:
         if client is not None:
             await client.close()
@@ -183,6 +191,11 @@ def report(res: dict) -> str:
             f"`{CONFIGS['rl']}` (32 episodes a step); distillation: `{CONFIGS['distill']}` (8 a step, the "
             f"reverse KL to the teacher alone); self-distillation: `{CONFIGS['self']}` (the initial weights "
             "reading the answer teach).")
+    if res.get("overrides"):
+        head += " On the distillation configs: " + ", ".join(f"`{k} = {v}`" for k, v in res["overrides"].items()) + "."
+    if res.get("rerun_from"):
+        head += (f" {', '.join(res['rerun'])} rerun beside the jobs of `{res['rerun_from']}` (the same teacher and "
+                 "GRPO runs).")
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
@@ -194,12 +207,21 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     seeds_arguments(ap, OUT)
+    ap.add_argument("--rerun-from", help="an earlier results file: rerun only --rerun's kinds beside its other jobs "
+                                         "(its home must still be there)")
+    ap.add_argument("--rerun", nargs="+", default=["distill"], choices=sorted(CONFIGS))
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE (TOML) on the distillation configs")
     args = ap.parse_args()
     if report_only(args, report, MARKER):
         return
+    import tomllib
+
+    over = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (x.split("=", 1) for x in args.set)}
+    prior = json.loads(Path(args.rerun_from).read_text()) if args.rerun_from else None
     res = {**provenance(), "seeds": args.seeds, "configs": CONFIGS, "out": Path(args.out).name,
-           "eval_every": EVAL_EVERY, "within": WITHIN}
-    res.update(asyncio.run(run_all(args.seeds)))
+           "eval_every": EVAL_EVERY, "within": WITHIN, "overrides": over,
+           **({"rerun_from": Path(args.rerun_from).name, "rerun": args.rerun} if prior else {})}
+    res.update(asyncio.run(run_all(args.seeds, prior, tuple(args.rerun), over)))
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")  # the curves, before anything can fail
     res["runs"] = [{"commit": res.get("commit"), "dirty": res.get("dirty"), **r} for r in per_seed(res, args.seeds)]
     res["summary"] = summary(res["runs"])
