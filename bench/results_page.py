@@ -7,7 +7,7 @@ bench/results/, then the hand-kept history (bench/results_history.md) verbatim.
 The tables come from the report code each benchmark already has, newest first within a
 kind: `main_job_seeds.report` for every file `bench/main_job_seeds.py` wrote (the main job
 and other jobs over seeds), `<stem>.report` for bench/results/<stem>.json of each of TASKS
-(tool use, the game against `random`, self-play), and `e2e_report.report_table` for every
+(tool use, the game against `random`, self-play, distillation), and `e2e_report.report_table` for every
 file `bench/e2e_grpo.py` wrote. A results file
 that is missing, or whose report code is, is named on the page instead of a table. Run it
 after a benchmark writes a results file (tests/unit/test_results_page.py fails until then).
@@ -82,7 +82,7 @@ def seeds_section(results: dict[Path, dict]) -> str:
 
 # (title, results file stem = the bench script that writes it and holds its `report`)
 TASKS = (("Tool use over seeds", "tool_use_seeds"), ("A game against a fixed opponent over seeds", "game_seeds"),
-         ("Self-play over seeds", "selfplay_seeds"))
+         ("Self-play over seeds", "selfplay_seeds"), ("Distillation over seeds", "distill_seeds"))
 
 
 def task_section(results: dict[Path, dict], title: str, stem: str) -> str:
