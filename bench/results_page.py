@@ -6,8 +6,8 @@ bench/results/, then the hand-kept history (bench/results_history.md) verbatim.
 
 The tables come from the report code each benchmark already has, newest first within a
 kind: `main_job_seeds.report` for every file `bench/main_job_seeds.py` wrote (the main job
-and other jobs over seeds), `<stem>.report` for bench/results/<stem>.json of each of TASKS
-(tool use, the game against `random`, self-play), and `e2e_report.report_table` for every
+and other jobs over seeds), `<stem>.report` for bench/results/<stem>.json (and <stem>_*.json) of each of TASKS
+(tool use, the game against `random`, self-play, distillation), and `e2e_report.report_table` for every
 file `bench/e2e_grpo.py` wrote. A results file
 that is missing, or whose report code is, is named on the page instead of a table. Run it
 after a benchmark writes a results file (tests/unit/test_results_page.py fails until then).
@@ -82,19 +82,24 @@ def seeds_section(results: dict[Path, dict]) -> str:
 
 # (title, results file stem = the bench script that writes it and holds its `report`)
 TASKS = (("Tool use over seeds", "tool_use_seeds"), ("A game against a fixed opponent over seeds", "game_seeds"),
-         ("Self-play over seeds", "selfplay_seeds"))
+         ("Self-play over seeds", "selfplay_seeds"), ("Distillation over seeds", "distill_seeds"))
 
 
 def task_section(results: dict[Path, dict], title: str, stem: str) -> str:
-    """The section of bench/results/`stem`.json, tabled by bench/`stem`.py's `report`."""
+    """The section of bench/results/`stem`.json and of every other `stem`_*.json that
+    bench/`stem`.py wrote (a run with other settings), newest first, each tabled by
+    bench/`stem`.py's `report`."""
     path = RESULTS / f"{stem}.json"
     out = f"## {title}\n\n"
-    if path not in results:
+    files = [p for p, r in results.items() if p == path or (
+        p.name.startswith(f"{stem}_") and str(r.get("command", "")).startswith(f"bench/{stem}.py"))]
+    if not files:
         return out + _absent(path.name, f"bench/{stem}.py")
     report = _report(stem, "report")
     if report is None:
         return out + f"`bench/results/{path.name}` is here but `bench/{stem}.py`, its report, is not.\n"
-    return out + report(results[path])
+    files.sort(key=lambda p: str(results[p].get("date", "")), reverse=True)
+    return out + "\n".join(report(results[p]) for p in files)
 
 
 def e2e_section(results: dict[Path, dict]) -> str:

@@ -49,6 +49,7 @@ class AuthenticationError(PermissionError):
 
 
 _HISTORY = {"events": "events", "metrics": "metrics", "traj": "trajectories"}  # family -> REST route
+MAX_STAGES = 16  # the longest init_from chain Job.stages() follows
 
 
 class Reader:
@@ -207,6 +208,34 @@ class Job:
         finally:
             with contextlib.suppress(nats.errors.Error):  # the connection may be closed
                 await sub.unsubscribe()
+
+    async def stages(self, limit: int = MAX_STAGES) -> list[str]:
+        """The job ids of this job's pipeline, first stage first: the chain of `init_from`
+        back from this job (`opentinker train sft.toml grpo.toml` submits each stage with
+        `init_from` the one before), at most `limit` long. A stage whose record is gone
+        (the scheduler's retention) ends the chain there. Raises KeyError when this job
+        does not exist (or is not yours)."""
+        chain = [self.id]
+        while len(chain) < limit:
+            try:
+                rec = await self.client.reader.record(chain[0])
+            except KeyError:
+                if len(chain) == 1:
+                    raise
+                break
+            if not rec.spec.init_from or rec.spec.init_from in chain:
+                break
+            chain.insert(0, rec.spec.init_from)
+        return chain
+
+    async def pipeline_metrics(self) -> list[Metrics]:
+        """The metrics history of every stage of this job's pipeline (stages()), first
+        stage first, each record naming its job (`Metrics.job_id`): an SFT stage's loss
+        steps, then the RL stage's. Raises KeyError as stages() does."""
+        out: list[Metrics] = []
+        for job_id in await self.stages():
+            out += await self.client.reader.history(job_id, "metrics", Metrics)
+        return out
 
     async def events(self, from_start: bool = True) -> AsyncIterator[JobStateChanged]:
         """Every state change of the job, ending after a terminal one."""
@@ -512,6 +541,12 @@ class SyncJob:
 
     def cancel(self, reason: str = "cancelled by user") -> CancelReply:
         return self._sc._run(self._job.cancel(reason))
+
+    def stages(self) -> list[str]:
+        return self._sc._run(self._job.stages())
+
+    def pipeline_metrics(self) -> list[Metrics]:
+        return self._sc._run(self._job.pipeline_metrics())
 
     def metrics(self, from_start: bool = True) -> Iterator[Metrics]:
         agen = self._job.metrics(from_start)

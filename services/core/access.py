@@ -11,7 +11,11 @@ service machines. The rules here confine that:
 - models: the embedded default, a Hugging Face hub id `org/name`, such a file, or a
   folder under `<home>/models/` (the operator's shared models, where the embedded
   default is converted; readable by every tenant, never a place for data);
-- the log: the rows of the tenant's own jobs (logdb.run_user_query with `log_jobs`).
+- the log: the rows of the tenant's own jobs (logdb.run_user_query with `log_jobs`);
+- endpoints an operator's env calls (`env_args.user_base_url` and other `*_url`
+  arguments) and the variables holding their keys (`*_key_env`): only those on the
+  envhost's allowlists (`envhost_allowed_urls`, `envhost_allowed_key_envs`), checked by
+  the operator's envhost (check_endpoint_args).
 An admin (User.role "admin" in KV `ot_users`), and an operator running a job with no
 scheduler record, may name anything.
 
@@ -28,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -148,6 +153,87 @@ def confine_env_args(env_args: dict[str, Any], *, user: str, admin: bool, home: 
         out[key] = str(confine_path(value, field=f"env_args.{key}", user=user, admin=admin, home=home,
                                     own_jobs=own_jobs))
     return out
+
+
+# -- endpoints an operator's env calls for a tenant ---------------------------------
+
+def url_args(env_args: dict[str, Any]) -> list[str]:
+    """The keys of `env_args` that name a URL the env calls from the envhost's machine:
+    `url` or a name ending in _url (e.g. `user_base_url`)."""
+    return sorted(k for k in env_args if k == "url" or k.endswith("_url"))
+
+
+def key_env_args(env_args: dict[str, Any]) -> list[str]:
+    """The keys of `env_args` that name an environment variable of the envhost's
+    process holding a secret: a name ending in _key_env (e.g. `user_api_key_env`)."""
+    return sorted(k for k in env_args if k.endswith("_key_env"))
+
+
+def _origin(url: str) -> tuple[str, str, int, str] | None:
+    """(scheme, host lower-cased, port, path without a trailing "/") of an http(s) URL
+    with a host and no user info; None for anything else."""
+    try:
+        u = urlsplit(url.strip())
+        port = u.port or {"http": 80, "https": 443}.get(u.scheme.lower(), 0)
+    except ValueError:
+        return None
+    if u.scheme.lower() not in ("http", "https") or not u.hostname or "@" in u.netloc:
+        return None
+    return u.scheme.lower(), u.hostname.lower(), port, u.path.rstrip("/")
+
+
+def url_allowed(url: str, allowed_urls: Iterable[str]) -> bool:
+    """Whether `url` lies under one of `allowed_urls`: the same scheme, host and port
+    (80 / 443 when not written), and a path equal to the entry's or below it on a "/"
+    boundary (`.../v1` allows `.../v1/jobs/x`, never `.../v1x`). A URL with user info
+    (`https://allowed@evil`) or not http(s) is never allowed."""
+    got = _origin(url)
+    if got is None:
+        return False
+    for entry in allowed_urls:
+        want = _origin(entry)
+        if want and got[:3] == want[:3] and (got[3] == want[3] or got[3].startswith(want[3] + "/")):
+            return True
+    return False
+
+
+def check_endpoint_args(env_args: dict[str, Any], *, admin: bool, allowed_urls: Iterable[str],
+                        allowed_key_envs: Iterable[str]) -> dict[str, Any]:
+    """`env_args` unchanged, if a job's owner may have an operator's env call their URL
+    arguments (url_args) with the secrets their key arguments (key_env_args) name.
+
+    An operator's envhost runs the env on a service host: a tenant's URL could reach the
+    operator's internal network (a metadata service, the bus's monitor), and a variable
+    name could send one of the host's secrets anywhere. So a job of a non-admin may name
+    only URLs under the operator's `envhost_allowed_urls` (url_allowed) and variables in
+    `envhost_allowed_key_envs`; an admin, and the operator's own job, anything. A tenant's
+    own envhost (on their machine) does not call this.
+
+    Raises SpecError("env_args.<key>", ...) naming the setting to change, or for a value
+    that is not a string."""
+    allowed_urls, allowed_key_envs = tuple(allowed_urls), frozenset(allowed_key_envs)
+    for key in url_args(env_args) + key_env_args(env_args):
+        value = env_args[key]
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise SpecError(f"env_args.{key}", f"must be a string, got {type(value).__name__}")
+        if admin:
+            continue
+        if key.endswith("_key_env"):
+            if value not in allowed_key_envs:
+                raise SpecError(f"env_args.{key}", f"{value[:80]!r} is not a variable this envhost lends to "
+                                                   "jobs (the operator's setting envhost_allowed_key_envs)")
+        elif not url_allowed(value, allowed_urls):
+            raise SpecError(f"env_args.{key}", f"{value[:200]!r} is not under a URL this envhost may call for "
+                                               "a job (the operator's setting envhost_allowed_urls: "
+                                               f"{' '.join(allowed_urls) or 'none'})")
+    return env_args
+
+
+def split_setting(value: str) -> tuple[str, ...]:
+    """A list setting written as one string: entries separated by commas or whitespace."""
+    return tuple(x for x in value.replace(",", " ").split() if x)
 
 
 # -- who owns a job (over the bus) ----------------------------------------------

@@ -94,6 +94,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     recorder_ack_wait_s: float = 30.0
     envhost_max_concurrency: int = 16  # user env calls running at once (threads)
     envhost_episode_ttl_s: float = 600.0  # an episode untouched this long is dropped
+    # an operator's envhost: the URLs (prefixes, e.g. "http://10.0.0.5:8000/v1") and the
+    # environment variables (API keys) a non-admin job's env_args may name in `*_url` and
+    # `*_key_env` arguments (e.g. the simulated-user env's endpoint), separated by commas
+    # or spaces; empty: none (services/core/access.py, check_endpoint_args)
+    envhost_allowed_urls: str = ""
+    envhost_allowed_key_envs: str = ""
     # the rollout's wait for one env step's reply (a user's step may run tools or a
     # verifier); a step past it fails its episode with the reason
     env_step_timeout_s: float = 120.0

@@ -72,7 +72,7 @@ from opentinker.environment.base_game import AbstractGame, StepResult, opening
 from opentinker.environment.images import check_images
 from opentinker.environment.multi_agent import MultiAgentGame, PhaseResult
 from opentinker.services.core import access
-from opentinker.services.core.access import Tenant, path_args
+from opentinker.services.core.access import Tenant, key_env_args, path_args, split_setting, url_args
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings, default_nats_url, service_credentials
 from opentinker.services.core.runner import run_service
@@ -251,7 +251,7 @@ class EnvHost:
         return f"env: the request names {req_env!r} but was sent to env {name!r}"
 
     async def _confined(self, job_id: str, env_args: dict[str, Any]) -> dict[str, Any]:
-        if self.confine is None or not path_args(env_args):
+        if self.confine is None or not (path_args(env_args) or url_args(env_args) or key_env_args(env_args)):
             return env_args
         return await self.confine(job_id, env_args)
 
@@ -370,12 +370,15 @@ OWNER_TTL_S = 60.0  # how long an envhost trusts what it read of a job's owner
 
 
 async def confine_for_job(bus: Bus, home: str, cache: dict[str, tuple[float, Tenant]], job_id: str,
-                          env_args: dict[str, Any]) -> dict[str, Any]:
+                          env_args: dict[str, Any], *, allowed_urls: tuple[str, ...] = (),
+                          allowed_key_envs: tuple[str, ...] = ()) -> dict[str, Any]:
     """`env_args` with their path arguments confined to the places the owner of job
-    `job_id` may name (services/core/access.py), as the scheduler checked at submit. A
-    request naming no job (an operator's own call: only services publish here) and a job
-    with no record count as the operator's, as access.tenant_of_job has it. Raises
-    SpecError naming the argument, or `job_id` when it is not a job id."""
+    `job_id` may name (services/core/access.py), as the scheduler checked at submit, and
+    their URL and key-variable arguments checked against this envhost's allowlists
+    (access.check_endpoint_args). A request naming no job (an operator's own call: only
+    services publish here) and a job with no record count as the operator's, as
+    access.tenant_of_job has it. Raises SpecError naming the argument, or `job_id` when
+    it is not a job id."""
     if not job_id:
         return env_args
     if not JOB_ID_RE.match(job_id):
@@ -386,7 +389,9 @@ async def confine_for_job(bus: Bus, home: str, cache: dict[str, tuple[float, Ten
         if len(cache) > 10_000:
             cache.clear()
         hit = cache[job_id] = (now, await access.tenant_of_job(bus, job_id))
-    return access.confine_env_args(env_args, **hit[1].rules(home))
+    out = access.confine_env_args(env_args, **hit[1].rules(home))
+    return access.check_endpoint_args(out, admin=hit[1].admin, allowed_urls=allowed_urls,
+                                      allowed_key_envs=allowed_key_envs)
 
 
 async def serve_envs(bus: Bus, host: EnvHost) -> list[Any]:
@@ -428,7 +433,9 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event,
     os.environ["OPENTINKER_HOME"] = settings.home
     n = settings.envhost_max_concurrency
     host = EnvHost(envs, new_host_id(settings.worker_id), n, settings.envhost_episode_ttl_s)
-    host.confine = partial(confine_for_job, bus, settings.home, {})
+    host.confine = partial(confine_for_job, bus, settings.home, {},
+                           allowed_urls=split_setting(settings.envhost_allowed_urls),
+                           allowed_key_envs=split_setting(settings.envhost_allowed_key_envs))
     subs = await serve_envs(bus, host)
     catalog = await bus.kv(S.KV_ENVS)
     for name in envs:  # the operator's catalog: what a job may name (the scheduler checks)

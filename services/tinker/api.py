@@ -6,8 +6,14 @@ dropped, the rest checked against the stored argon2 hashes, core/users.py).
 
 A refusal the SDK must not retry is a 4xx with a JSON body (`{"detail": ...}`); an
 operation that fails once queued is a failed future (`{"error", "category"}`).
-Not served (400, naming it): top-k logprobs, image inputs, `stop=[]`;
-optimizers other than Adam fail their future.
+The REST client's reads (runs.py): training runs (`GET /training_runs`, `.../{id}`),
+their checkpoints (`GET /training_runs/{id}/checkpoints`, `GET /checkpoints`,
+`DELETE /training_runs/{id}/checkpoints/{checkpoint_id}`) and `POST /weights_info`;
+another user's run answers 404.
+Not served (400, naming it): top-k logprobs, image inputs, `stop=[]`; a run list's
+`project_id`; optimizers other than Adam fail their future. Not served (404, no
+route): the REST client's sessions, publishing, checkpoint TTLs, copies, external
+weights, whoami.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from opentinker.schemas.tinker import AdamParams, TinkerOp, TinkerSample
 from opentinker.services.core.users import AuthError
 from opentinker.services.tinker import wire
+from opentinker.services.tinker.runs import Runs, check_scope, page
 from opentinker.services.tinker.sessions import ApiError, Gateway
 
 PROTOBUF = "application/x-protobuf"
@@ -123,6 +130,10 @@ class LoadBody(_Body):
 
 class RetrieveBody(_Body):
     request_id: str
+
+
+class WeightsInfoBody(_Body):
+    tinker_path: str
 
 
 def make_app(gw: Gateway) -> FastAPI:
@@ -337,5 +348,47 @@ def make_app(gw: Gateway) -> FastAPI:
             raise ApiError(400, str(e)) from None
         rid = await gw.sample(user, req)
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}.{i}" for i in range(req.num_samples)]}
+
+    # -- the REST client's listing (runs.py) ------------------------------------------
+
+    runs = Runs(gw.bus)
+
+    def checked(check, *args):
+        """`check(*args)`; its WireError (which names the field) answered 400."""
+        try:
+            return check(*args)
+        except wire.WireError as e:
+            raise ApiError(400, str(e)) from None
+
+    @app.get("/api/v1/training_runs")
+    async def list_training_runs(request: Request) -> dict:
+        user = await caller(request)
+        checked(check_scope, request.query_params)
+        return await runs.list_runs(user, *checked(page, request.query_params, 20))
+
+    @app.get("/api/v1/training_runs/{training_run_id}")
+    async def get_training_run(training_run_id: str, request: Request) -> dict:
+        user = await caller(request)
+        checked(check_scope, request.query_params)
+        return await runs.get_run(user, training_run_id)
+
+    @app.get("/api/v1/training_runs/{training_run_id}/checkpoints")
+    async def list_checkpoints(training_run_id: str, request: Request) -> dict:
+        return await runs.list_checkpoints(await caller(request), training_run_id)
+
+    @app.delete("/api/v1/training_runs/{training_run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(training_run_id: str, kind: str, name: str, request: Request) -> Response:
+        await runs.delete_checkpoint(await caller(request), training_run_id, f"{kind}/{name}")
+        return Response(status_code=204)
+
+    @app.get("/api/v1/checkpoints")
+    async def list_user_checkpoints(request: Request) -> dict:
+        user = await caller(request)
+        return await runs.list_user_checkpoints(user, *checked(page, request.query_params, 100))
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request) -> dict:
+        user, b = await body(request, WeightsInfoBody)
+        return await runs.weights_info(user, b.tinker_path)
 
     return app

@@ -7,10 +7,12 @@ Nothing here trains or holds model state: a restarted service picks up every ses
 and future from the bus.
 
 Reads:  KV `ot_jobs` (a model's owner and state), `ot_users` / `ot_keys` (API keys),
-        `ot_tinker` (sessions); `ot.job.<id>.results.<seq>` (OT_TINKER, by direct get).
+        `ot_tinker` (sessions); `ot.job.<id>.results.<seq>` (OT_TINKER, by direct get);
+        the object stores `ot_checkpoints` / `ot_weights` (a model's saves, runs.py).
 Writes: `ot.ctl.submit` (request/reply: a model's job, as the user); `ot.job.<id>.ops.<seq>`
         and `.ops.close` (OT_TINKER); KV `ot_tinker`. Purges retrieved futures'
-        messages from OT_TINKER (sessions.py).
+        messages from OT_TINKER (sessions.py); deletes a save's object when its
+        owner deletes the checkpoint (runs.py).
 Listens: http://<tinker_host>:<tinker_port>/api/v1 (X-API-Key authenticated; loopback
         by default).
 

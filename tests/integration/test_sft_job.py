@@ -246,3 +246,13 @@ async def test_an_sft_then_grpo_pipeline_starts_rl_from_the_sft_policy(services,
     assert [w.policy_version for w in sft_events] == [1, 2]
     assert rl_events[0].policy_version == 0 and rl_events[0].sha256 == sft_events[-1].sha256
     assert [w.policy_version for w in rl_events] == [0, 1, 2]
+    # one history for the pipeline: the SFT stage's steps, then the RL stage's
+    from opentinker.sdk import Client
+
+    client = await Client.connect(nats_url)
+    try:
+        assert await client.job(rl_id).stages() == [sft_id, rl_id]
+        steps = [(m.job_id, m.step) for m in await client.job(rl_id).pipeline_metrics() if m.split == "train"]
+    finally:
+        await client.close()
+    assert steps == [(sft_id, 0), (sft_id, 1), (rl_id, 0), (rl_id, 1)], steps

@@ -4,10 +4,12 @@ nats-server, SmolLM2-135M-Instruct (the tiny model where learning does not matte
 supervised loop whose loss falls; every loss function's `loss:sum` against a hand
 computation from the logprobs the server returns; a save_state / load_state round
 trip; an RL loop (sample, score, importance-sampling step) whose reward rises; prompt
-logprobs and stop tokens; wrong keys refused; another tenant's models, futures and
-saves unreachable; what is not served fails at once, naming itself."""
+logprobs and stop tokens; the REST client's listing of training runs and checkpoints;
+wrong keys refused; another tenant's models, futures, saves, runs and checkpoints
+unreachable; what is not served fails at once, naming itself."""
 
 import asyncio
+import time
 
 import httpx
 import numpy as np
@@ -21,7 +23,7 @@ from opentinker.services.core.users import Users
 tinker = pytest.importorskip("tinker")
 
 from tenants import wait_http_ok  # noqa: E402
-from tinker_sdk import run_sdk  # noqa: E402
+from tinker_sdk import run_rest, run_sdk  # noqa: E402
 
 
 def datum(tokens: list[int], **inputs) -> "tinker.Datum":
@@ -50,8 +52,9 @@ async def stack(services, bus, job_id):
     return base, keys
 
 
-async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, services):
+async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, services, job_id):
     base, keys = stack
+    t0 = time.time()
 
     def session(sc):
         tc = sc.create_lora_training_client(base_model=smollm2, rank=4, seed=0).result()
@@ -120,9 +123,11 @@ async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, serv
         moved = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         tc.load_state_with_optimizer(path).result()
         back = tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-        return losses, path, before, moved, back, tc.model_id, sl
+        spath = tc.save_weights_for_sampler("smp-a").result().path
+        return losses, path, before, moved, back, tc.model_id, sl, spath
 
-    losses, path, before, moved, back, mid, sl = await asyncio.to_thread(run_sdk, base, keys["alice"], session)
+    losses, path, before, moved, back, mid, sl, spath = await asyncio.to_thread(run_sdk, base, keys["alice"],
+                                                                                session)
     print(f"SFT loss by step: {[round(x, 3) for x in losses]}")
     assert losses[-1] < 0.5 * losses[0], losses
     assert path == f"tinker://{mid}/weights/ckpt-a"
@@ -141,12 +146,48 @@ async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, serv
     # session's learner is free again: a training client holds a learner for its life)
     def resume(sc):
         tc = sc.create_training_client_from_state_with_optimizer(path).result()
-        return tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        return tc.model_id, tc.forward(sl, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
 
-    assert np.allclose(await asyncio.to_thread(run_sdk, base, keys["alice"], resume), before, atol=1e-5)
+    mid2, resumed = await asyncio.to_thread(run_sdk, base, keys["alice"], resume)
+    assert np.allclose(resumed, before, atol=1e-5)
+
+    # the REST client: alice's training runs (newest first) and the checkpoints they saved
+    def listing(rc):
+        runs = rc.list_training_runs().result()
+        second = rc.list_training_runs(limit=1, offset=1).result()
+        run = rc.get_training_run(mid).result()
+        by_path = rc.get_training_run_by_tinker_path(spath).result()
+        ckpts = rc.list_checkpoints(mid).result()
+        everything = rc.list_user_checkpoints().result()
+        info = rc.get_weights_info_by_tinker_path(path).result()
+        rc.delete_checkpoint_from_tinker_path(spath).result()
+        after = rc.list_checkpoints(mid).result()
+        with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
+            rc.delete_checkpoint(mid, "sampler_weights/smp-a").result()
+        return runs, second, run, by_path, ckpts, everything, info, after
+
+    runs, second, run, by_path, ckpts, everything, info, after = await asyncio.to_thread(
+        run_rest, base, keys["alice"], listing)
+    assert [r.training_run_id for r in runs.training_runs] == [mid2, mid]
+    assert (runs.cursor.offset, runs.cursor.limit, runs.cursor.total_count) == (0, 20, 2)
+    assert [r.training_run_id for r in second.training_runs] == [mid] and second.cursor.total_count == 2
+    assert run == by_path and run.training_run_id == mid and run.base_model == smollm2
+    assert run.model_owner == f"alice-{job_id[-6:]}" and run.is_lora and run.lora_rank == 4
+    assert run.last_checkpoint.tinker_path == path and run.last_checkpoint.checkpoint_type == "training"
+    assert run.last_sampler_checkpoint.tinker_path == spath
+    assert t0 <= run.last_request_time.timestamp() <= time.time()
+    assert {(c.checkpoint_type, c.checkpoint_id, c.tinker_path) for c in ckpts.checkpoints} == {
+        ("training", "weights/ckpt-a", path), ("sampler", "sampler_weights/smp-a", spath)}
+    assert all(t0 <= c.time.timestamp() <= time.time() and c.size_bytes > 0 for c in ckpts.checkpoints)
+    assert [c.tinker_path for c in ckpts.checkpoints] == [spath, path]  # newest first
+    # every run's: the resumed run saved nothing
+    assert [c.tinker_path for c in everything.checkpoints] == [spath, path] and everything.cursor.total_count == 2
+    assert (info.base_model, info.is_lora, info.lora_rank, info.train_attn, info.train_mlp) == (
+        smollm2, True, 4, True, True)
+    assert [c.tinker_path for c in after.checkpoints] == [path]
 
 
-async def test_keys_and_tenants(stack, tiny_model, bus, services):
+async def test_keys_and_tenants(stack, tiny_model, bus, services, job_id):
     base, keys = stack
 
     def wrong_key(sc):
@@ -193,6 +234,42 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services):
         return tc.save_state("still-fine").result().path
 
     assert (await asyncio.to_thread(run_sdk, base, keys["bob"], bob_loads_alices_save)).endswith("/weights/still-fine")
+
+    # the REST client: bob lists his own run and save only; alice's run, its checkpoints
+    # and their weights info answer 404, to read and to delete, and her save stays
+    def bob_lists(rc):
+        runs, ckpts = rc.list_training_runs().result(), rc.list_user_checkpoints().result()
+        for call in (lambda: rc.get_training_run(mid), lambda: rc.list_checkpoints(mid),
+                     lambda: rc.delete_checkpoint(mid, "weights/mine"),
+                     lambda: rc.delete_checkpoint_from_tinker_path(path),
+                     lambda: rc.get_weights_info_by_tinker_path(path)):
+            with pytest.raises(tinker.NotFoundError, match="no training run"):
+                call().result()
+        return runs, ckpts
+
+    runs, ckpts = await asyncio.to_thread(run_rest, base, keys["bob"], bob_lists)
+    assert [r.model_owner for r in runs.training_runs] == [f"bob-{job_id[-6:]}"] and runs.cursor.total_count == 1
+    assert [c.checkpoint_id for c in ckpts.checkpoints] == ["weights/still-fine"]
+    alices = await asyncio.to_thread(run_rest, base, keys["alice"], lambda rc: rc.list_checkpoints(mid).result())
+    assert [c.tinker_path for c in alices.checkpoints] == [path]
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        # pages are bounded and counted from 0; a bad one names its field; ids are checked
+        for query, field in (("limit=0", "limit"), ("limit=100001", "limit"), ("limit=x", "limit"),
+                             ("offset=-1", "offset"), ("access_scope=everyone", "access_scope"),
+                             ("project_id=p1", "project_id")):
+            r = await http.get(f"/api/v1/training_runs?{query}", headers=bob)
+            assert r.status_code == 400 and r.json()["detail"].startswith(f"{field}:"), (query, r.text)
+        r = await http.get("/api/v1/checkpoints?offset=-5", headers=bob)
+        assert r.status_code == 400 and r.json()["detail"].startswith("offset:")
+        assert (await http.get("/api/v1/training_runs")).status_code == 401
+        assert (await http.get("/api/v1/checkpoints")).status_code == 401
+        for bad in ("/api/v1/training_runs/x", "/api/v1/training_runs/ts-0123456789:train:99",
+                    f"/api/v1/training_runs/{mid}x/checkpoints"):
+            r = await http.get(bad, headers=bob)
+            assert r.status_code == 404 and "no training run" in r.json()["detail"], (bad, r.text)
+        r = await http.delete(f"/api/v1/training_runs/{mid}/checkpoints/weights/..%2Fmine", headers={
+            "X-API-Key": keys["alice"]})
+        assert r.status_code == 404, r.text
     # nor by submitting a tinker job naming alice's save directly
     alices_job = mid.replace(":train:", "-m")
     reply = await bus.request(S.SUBMIT, SubmitJob(spec=JobSpec(algorithm="tinker", model=tiny_model,

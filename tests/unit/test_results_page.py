@@ -33,7 +33,7 @@ def test_results_page_names_a_missing_results_file(tmp_path, monkeypatch):
     monkeypatch.setattr(page, "RESULTS", tmp_path)
     results = page._results()  # none: the folder is empty
     text = "".join(page.task_section(results, *t) for t in page.TASKS) + page.seeds_section(results)
-    for stem in ("tool_use_seeds", "game_seeds", "selfplay_seeds"):
+    for stem in ("tool_use_seeds", "game_seeds", "selfplay_seeds", "distill_seeds"):
         assert f"`bench/results/{stem}.json` is not in this checkout" in text
     assert "`bench/results/main_job_seeds.json` is not in this checkout" in text
 
@@ -45,7 +45,7 @@ def test_readme_is_a_front_door():
     first = [line for line in lines if line.startswith("bash scripts/")][:2]
     assert [line.split()[:2] for line in first] == [["bash", "scripts/train.sh"], ["bash", "scripts/test.sh"]]
     assert all(line in opening for line in first)
-    for marker in ("main_job_seeds", "tool_use_seeds", "game_seeds", "selfplay_seeds"):
+    for marker in ("main_job_seeds", "tool_use_seeds", "game_seeds", "selfplay_seeds", "distill_seeds"):
         assert f"<!-- {marker} -->" in lines and f"<!-- /{marker} -->" in lines
     links = {m for line in lines for m in LINK.findall(line)}
     for page in sorted((ROOT / "docs").glob("*.md")):
