@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.errors
 import openai
 import pytest
 
@@ -42,7 +43,12 @@ async def test_episodes_run_against_an_inference_job_of_smollm2(services, nats_u
     services.start("scheduler")
     services.start("rollout", "engine=hf", f"worker_id=r-{job_id}")
     async with await Client.connect(nats_url) as client:
-        ep = await client.submit_inference_job(model=DEFAULT_MODEL, engine="hf", job_id=f"{job_id}-u")
+        for _ in range(300):  # the scheduler may not answer yet
+            try:
+                ep = await client.submit_inference_job(model=DEFAULT_MODEL, engine="hf", job_id=f"{job_id}-u")
+                break
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.2)
         try:
             monkeypatch.setenv(KEY_ENV, ep.token)
             policy = openai.OpenAI(base_url=ep.url, api_key=ep.token, max_retries=0, timeout=120)
