@@ -28,7 +28,7 @@ def play(args: dict, seed: int, policy: openai.OpenAI, model: str) -> list:
             {"role": "user", "content": g.get_initial_user_message()}]
     results = []
     for _ in range(args["max_turns"]):
-        reply = policy.chat.completions.create(model=model, messages=chat, max_tokens=40, temperature=0)
+        reply = policy.chat.completions.create(model=model, messages=chat, max_tokens=24, temperature=0)
         action = reply.choices[0].message.content
         r = g.step(action)
         results.append(r)
@@ -53,8 +53,8 @@ async def test_episodes_run_against_an_inference_job_of_smollm2(services, nats_u
             monkeypatch.setenv(KEY_ENV, ep.token)
             policy = openai.OpenAI(base_url=ep.url, api_key=ep.token, max_retries=0, timeout=120)
             rule = {"user_base_url": ep.url, "user_model": ep.model, "user_api_key_env": KEY_ENV,
-                    "user_max_tokens": 40, "max_turns": 3, "timeout_s": 60}
-            for seed, args in ((1, rule), (2, rule), (3, {**rule, "reward": "judge"})):
+                    "user_max_tokens": 24, "max_turns": 3, "timeout_s": 60}
+            for seed, args in ((1, rule), (3, {**rule, "reward": "judge"})):
                 results = await asyncio.to_thread(play, args, seed, policy, ep.model)
                 assert results and results[-1].done and not any(r.done for r in results[:-1])
                 assert len(results) <= args["max_turns"]
