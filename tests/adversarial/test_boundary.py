@@ -299,6 +299,27 @@ async def test_an_operator_envs_data_dir_cannot_name_another_tenants_files(world
     assert "env_args.data_dir" in reply.error and not reply.state, reply
 
 
+async def test_an_operator_envs_endpoint_and_key_arguments_cannot_reach_inside_or_borrow_secrets(world):
+    """As bob, the operator's `simulated-user` env pointed at the bus's own monitor port (the
+    operator's network, from the envhost's machine) or told to send one of the envhost's
+    secrets (a variable of its process) as the endpoint's key: refused at the envhost,
+    naming the argument and the operator's allowlist, before any request leaves it."""
+    from opentinker.schemas import EnvInitReply, EnvInitRequest
+
+    job = await world.bob.submit({"name": "bob-endpoint", "model": world.tiny_model, "env": "arith", "steps": 1})
+    await job.cancel("only its record is needed")
+    for args, field, allowlist in (
+            ({"user_base_url": "http://127.0.0.1:8222/v1", "user_model": "m"}, "env_args.user_base_url",
+             "envhost_allowed_urls"),
+            ({"user_base_url": "http://allowed.example@127.0.0.1:8222/v1", "user_model": "m"},
+             "env_args.user_base_url", "envhost_allowed_urls"),
+            ({"user_api_key_env": "OPENTINKER_ADMIN_KEY", "user_model": "m"}, "env_args.user_api_key_env",
+             "envhost_allowed_key_envs")):
+        reply = await world.service.request(S.env_init("simulated-user"), EnvInitRequest(
+            env="simulated-user", env_args=args, job_id=job.id), EnvInitReply)
+        assert field in reply.error and allowlist in reply.error and not reply.state, reply
+
+
 async def test_a_token_id_outside_the_vocabulary_is_refused_naming_the_prompt_and_the_worker_stays(world):
     """Tried live before the fix (Tinker's sample, issue 30): the rollout worker raised on
     token id 60000 and exited, and crash-looped on the redelivered request."""
