@@ -18,6 +18,7 @@ plan_step reads as the step does:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -112,7 +113,7 @@ def distill(trajs: Sequence[Trajectory], spec: JobSpec, adv: StepAdvantages) -> 
     if spec.teacher == "none":
         return adv, {}
     adv, kl = distill_advantages(trajs, adv, spec.group_size, spec.distill_coef, spec.distill_only)
-    return adv, ({} if kl != kl else {"teacher_kl": kl})
+    return adv, ({} if math.isnan(kl) else {"teacher_kl": kl})
 
 
 def skipped_episodes(adv: StepAdvantages, spec: JobSpec) -> list[bool]:

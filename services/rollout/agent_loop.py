@@ -153,9 +153,7 @@ class _Episode:
         """The first prompt: [system,] user (with `images` ahead of its text, and
         `tools`) rendered with the generation prompt; no policy token. Raises
         ValueError for images the model cannot take (ChatRenderer.ids)."""
-        if system:
-            self.messages.append(renderer.message("system", system))
-        self.messages.append(renderer.message("user", user, len(images)))
+        self.messages += renderer.opening(system, user, len(images))
         self.tools = list(tools or [])
         self.images = list(images)
         self.token_ids = renderer.prompt_ids(self.messages, self.tools, self.images)

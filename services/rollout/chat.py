@@ -59,6 +59,11 @@ class ChatRenderer:
         enc = self.processor(text=[text], images=[decode_image(b) for b in images], add_special_tokens=False)
         return list(enc["input_ids"][0])
 
+    def opening(self, system: str, user: str, images: int = 0) -> list[dict[str, Any]]:
+        """An episode's first messages: [system (when not empty),] user (with `images`
+        image parts). Raises ValueError as message() does."""
+        return ([self.message("system", system)] if system else []) + [self.message("user", user, images)]
+
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                    images: Sequence[bytes] = ()) -> list[int]:
         """The first prompt: `messages` (and `tools`, where the template defines them)

@@ -35,8 +35,8 @@ def teacher_prompt(renderer: Any, env: str, reply: EnvResetReply) -> list[int]:
     if not reply.privileged_context:
         raise ValueError(f"teacher_context = 'privileged', but env {env!r} gave no privileged context "
                          "(its get_privileged_context() returned \"\")")
-    messages = ([renderer.message("system", reply.system_prompt)] if reply.system_prompt else []) + [
-        renderer.message("user", f"{reply.user_message}\n\n{reply.privileged_context}", len(reply.images))]
+    messages = renderer.opening(reply.system_prompt, f"{reply.user_message}\n\n{reply.privileged_context}",
+                                len(reply.images))
     return renderer.prompt_ids(messages, reply.tools, reply.images)
 
 

@@ -261,26 +261,19 @@ class Scheduler:
             if source and not rules["admin"] and source not in rules["own_jobs"]:
                 raise SpecError("tinker_init", f"no job {source!r} of yours saved it")
             models = {r.job_id: r.spec.model for r in (every if rules["admin"] else mine)}
-            if cmd.spec.init_from:
-                if cmd.spec.init_from not in models:
-                    raise SpecError("init_from", f"no job {cmd.spec.init_from!r} of yours")
-                if models[cmd.spec.init_from] != changes["model"]:
-                    raise SpecError("init_from", f"job {cmd.spec.init_from!r} trains "
-                                                 f"{models[cmd.spec.init_from]!r}, this job {changes['model']!r}: "
-                                                 "a job starts from a policy of its own model")
-            if teacher := cmd.spec.teacher_job:
-                if teacher not in models:
-                    raise SpecError("teacher_job", f"no job {teacher!r} of yours")
-                if models[teacher] != changes["model"]:
-                    raise SpecError("teacher_job", f"job {teacher!r} trains {models[teacher]!r}, this job "
-                                                   f"{changes['model']!r}: a teacher scores tokens of its own model")
-            for seat, other in cmd.spec.opponents.items():
+            # the jobs whose policies this one uses: the user's own, of the same model
+            named = [("init_from", "", cmd.spec.init_from, "a job starts from a policy of its own model"),
+                     ("teacher_job", "", cmd.spec.teacher_job, "a teacher scores tokens of its own model"),
+                     *(("opponents", f"seat {seat!r}: ", other, "a seat's policy must be of the same model")
+                       for seat, other in cmd.spec.opponents.items())]
+            for field, where, other, why in named:
+                if not other:
+                    continue
                 if other not in models:
-                    raise SpecError("opponents", f"seat {seat!r}: no job {other!r} of yours")
+                    raise SpecError(field, f"{where}no job {other!r} of yours")
                 if models[other] != changes["model"]:
-                    raise SpecError("opponents", f"seat {seat!r}: job {other!r} trains {models[other]!r}, "
-                                                 f"this job {changes['model']!r}: "
-                                                 "a seat's policy must be of the same model")
+                    raise SpecError(field, f"{where}job {other!r} trains {models[other]!r}, "
+                                           f"this job {changes['model']!r}: {why}")
             env_owner = await resolve_env_owner(self.bus, cmd.spec, cmd.kind, user.name)
             if not env_owner and path_args(cmd.spec.env_args):  # an operator's env reads them on a service host
                 changes["env_args"] = confine_env_args(cmd.spec.env_args, **rules)
