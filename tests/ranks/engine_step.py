@@ -2,9 +2,10 @@
 data-parallel group started by torchrun (`python -m torch.distributed.run
 --nproc_per_node N engine_step.py MODEL OUT ZERO_STAGE [DEVICE [save|resume CHECKPOINT]]`):
 each rank trains on its shard (batching.shard_updates); rank 0 writes the metrics and
-the weights to OUT. "save": the first step only, then the engine's state to CHECKPOINT;
-"resume": that state loaded (written by any number of ranks), then the second step.
-tests/integration/test_learner_ranks.py compares 1 rank with 2."""
+the weights to OUT. "save": both steps, the engine's state written to CHECKPOINT between them (a save
+changes nothing the second step computes); "resume": that state loaded (written by any
+number of ranks), then the second step alone. tests/integration/test_learner_ranks.py
+compares 1 rank with 2."""
 
 import json
 import sys
@@ -43,9 +44,11 @@ def main(model: str, out: Path, zero_stage: int, device: str = "cpu", mode: str 
     if mode == "resume":
         eng.load_state(checkpoint)
     # the second step uses Adam's state
-    steps = [eng.train_step(mine, updates, [tot], [spec.lr]) for _ in range(1 if mode else 2)]
-    if mode == "save":
-        eng.save_state(checkpoint)
+    steps = []
+    for step in range(1 if mode == "resume" else 2):
+        steps.append(eng.train_step(mine, updates, [tot], [spec.lr]))
+        if mode == "save" and step == 0:
+            eng.save_state(checkpoint)
     weights = eng.weights_bytes()
     if eng.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
