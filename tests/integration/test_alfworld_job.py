@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from fixtures.alfworld_games import make_alfworld_data
+from fixtures.alfworld_games import shared_alfworld_data
 from conftest import log_rows, train_jobs
 from test_env_jobs import check_episode, episodes, spec
 
@@ -19,10 +19,7 @@ WELCOME = "-= Welcome to TextWorld, ALFRED! =-"
 
 @pytest.fixture(scope="module")
 def alfworld_data(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("alfworld")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ALFWORLD_DATA", str(tmp / "data"))  # importing alfworld creates it
-        return make_alfworld_data(tmp)
+    return shared_alfworld_data(tmp_path_factory)  # generated once per run (the unit tests' too)
 
 
 async def test_alfworld_trains_and_logs_multi_turn_episodes(services, nats_url, tmp_path, tiny_model, job_id,

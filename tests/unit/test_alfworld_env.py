@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.alfworld_games import GAMES, make_alfworld_data
+from fixtures.alfworld_games import GAMES, shared_alfworld_data
 from opentinker.services.envhost.envs import alfworld as alf
 from opentinker.services.envhost.envs.alfworld import AlfWorldGame, parse_action
 from opentinker.services.envhost.service import initial_state, open_episode
@@ -20,11 +20,7 @@ WELCOME = "-= Welcome to TextWorld, ALFRED! =-"
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("alfworld")
-    with pytest.MonkeyPatch.context() as mp:
-        # importing alfworld creates $ALFWORLD_DATA (default ~/.cache/alfworld): keep it in tmp
-        mp.setenv("ALFWORLD_DATA", str(tmp / "data"))
-        return make_alfworld_data(tmp)
+    return shared_alfworld_data(tmp_path_factory)  # generated once per run (the integration test's too)
 
 
 @pytest.fixture(autouse=True)
