@@ -46,6 +46,18 @@ uv pip install -q --python .venv/bin/python "${links[@]}" \
   --override .ci/overrides.txt -c constraints.txt -e ".[${EXTRAS}]"
 # never let the CUDA side packages in, whatever resolved them
 uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
+# Bytecode for every installed module, once (uv writes none; where PYTHONDONTWRITEBYTECODE
+# is set, as on this project's CI machines, Python never caches it either, so each
+# service process compiled torch, transformers and sympy from source: 15 s of CPU per
+# rollout or learner start, 5 s with the bytecode). Again when the set of installed
+# distributions (names and versions) changes.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+installed=$(cd "$site" && ls -d -- *.dist-info | sha256sum | cut -c1-64)
+if [ "$(cat .venv/.bytecode-compiled 2>/dev/null)" != "$installed" ]; then
+  # a few test files of some packages are for other Python versions: their errors are theirs
+  .venv/bin/python -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
+  echo "$installed" > .venv/.bytecode-compiled
+fi
 .venv/bin/python - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__

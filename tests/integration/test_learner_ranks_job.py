@@ -17,7 +17,7 @@ from opentinker.sdk import Client
 
 from conftest import follow, submit_when_ready, until
 
-STEPS, EVERY = 8, 4
+STEPS, EVERY = 6, 3
 
 
 def descendants(pid: int) -> set[int]:
