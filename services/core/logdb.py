@@ -66,6 +66,9 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("image_sha256", pa.list_(pa.string())),
         # the job whose policy played this seat, when another job's (JobSpec.opponents)
         ("policy_of", pa.string()),
+        # on-policy distillation (JobSpec.teacher): the teacher's logprob of each token,
+        # aligned with token_ids as `logprobs` is (0 off the policy's tokens); empty without
+        ("teacher_logprobs", pa.list_(pa.float32())),
     ]),
     # each image once per job, by content hash (a group's episodes share theirs)
     "images": pa.schema([

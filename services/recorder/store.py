@@ -97,7 +97,7 @@ def trajectory_rows(t: Trajectory, seq: int) -> list[dict[str, Any]]:
         "engine": t.engine, "gen_ms": t.gen_ms, "env_ms": t.env_ms, "created_s": t.created_s,
         "seq": seq, "agent": t.agent, "game_id": t.game_id,
         "image_sha256": [hashlib.sha256(b).hexdigest() for b in t.images],
-        "policy_of": t.policy_of,
+        "policy_of": t.policy_of, "teacher_logprobs": t.teacher_logprobs,
     }]
 
 

@@ -19,7 +19,7 @@ import pytest
 from opentinker.schemas import JobState
 from opentinker.sdk import Client
 
-from conftest import follow, submit_when_ready
+from conftest import follow, log_rows, submit_when_ready
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -118,3 +118,10 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     # policy version 0 those sampled it (KL 0 up to the engines' numerics), after one
     # update they no longer did
     assert abs(t[0]["teacher_kl"]) < 1e-3 and t[1]["teacher_kl"] != 0, t
+    # the log keeps the teacher's logprob of every token beside the sampler's; no other job has one
+    sql = ("SELECT count(*) FILTER (WHERE len(teacher_logprobs) = num_tokens AND list_min(teacher_logprobs) <= 0 "
+           "AND list_sum(teacher_logprobs) < 0), count(*) FILTER (WHERE len(teacher_logprobs) > 0) "
+           "FROM trajectories WHERE split = 'train' AND job_id = '{}'")
+    episodes = 2 * 2 * 3  # steps x prompts_per_step x group_size
+    assert (await log_rows(tmp_path / "log", sql.format(jobs["distill"].id), episodes)) == [(episodes, episodes)]
+    assert (await log_rows(tmp_path / "log", sql.format(jobs["clip"].id), 0))[0][1] == 0
