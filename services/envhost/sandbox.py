@@ -4,7 +4,8 @@ Isolation is bubblewrap's (`bwrap`, Debian package `bubblewrap`): new network, P
 IPC and UTS namespaces, and a root filesystem that holds only the OS libraries (/usr,
 read-only), the Python installation (read-only), a few chosen packages from this
 environment's site-packages (read-only; sympy, mpmath, numpy by default) and a fresh
-`/work` tmpfs, the only writable place, gone when the run ends. Nothing else of the
+`/work` tmpfs, the only writable place, gone when the run ends (it starts with the code
+as main.py and any `files` given, read-only). Nothing else of the
 host (no /etc, no $HOME, no repository) is visible, and no network is reachable.
 
 Resource limits are rlimits set inside the sandbox just before the code runs: CPU
