@@ -138,7 +138,7 @@ def parse_command(text: str) -> tuple[str, dict[str, Any], str]:
                 args["end_line"] = int(r.group(2) or r.group(1))
             return name, args, ""
         if name == "edit":
-            return name, {"path": rest, "blocks": after}, ""
+            return name, {"path": rest.split()[0] if rest else "", "blocks": after}, ""
         if name == "apply_patch":
             return name, {"patch": _unfence(after if after.strip() else rest)}, ""
         if name == "run_tests":
@@ -338,7 +338,7 @@ class SWEGame(AbstractGame):
             blocks = parse_blocks(_str_arg(args, "blocks"))
         else:
             blocks = [(_str_arg(args, "search").rstrip("\n"), _str_arg(args, "replace").rstrip("\n"))]
-        out = edit_file(self.root, path.split()[0] if path.strip() else path, blocks)
+        out = edit_file(self.root, path, blocks)
         self.edits += 1
         return out
 
@@ -380,7 +380,7 @@ class SWEGame(AbstractGame):
                     return f"run_tests: {rel}: no such file"
             except PatchError as e:
                 return f"run_tests: {e}"
-            targets = (rel,)
+            targets = ("./" + rel if rel.startswith("-") else rel,)  # a path, never a runner option
         run = run_suites([Suite(self.root, targets)], self._runner(), self.limits, self.packages)
         return run.run.observation()
 
