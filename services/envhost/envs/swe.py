@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import re
@@ -188,7 +189,8 @@ class SWEGame(AbstractGame):
                         (the repository's dependencies), e.g. ["numpy"]
       max_output_chars: run_tests output kept (the middle is cut), 500..100000 (default 4000)
       max_read_chars:   read_file text shown per call, 500..100000 (default 6000)
-    Raises ValueError naming the env_arg for a bad value or an unknown one.
+    Raises ValueError naming the env_arg for a bad value or an unknown one, or `runner`
+    when the pytest runner is asked for and pytest is not installed here.
     """
 
     name = "swe"
@@ -218,6 +220,9 @@ class SWEGame(AbstractGame):
             disk_mb=_int_arg("disk_mb", disk_mb, 16, 8192), max_open_files=256,
             max_output_chars=self.max_output_chars)
         self.tasks = load_swe_gym(data_dir) if data_dir else generate_tasks()
+        if (runner or self.tasks[0].runner) == "pytest" and importlib.util.find_spec("pytest") is None:
+            raise ValueError("env_args.runner: the pytest runner needs pytest installed on the envhost "
+                             "(the `envs` extra)")
         self.by_id = {t.id: t for t in self.tasks}
         self.task: Task | None = None
         self.root: Path | None = None
