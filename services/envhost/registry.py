@@ -15,9 +15,10 @@ from opentinker.services.envhost.envs.guess_number import GuessNumberGame
 from opentinker.services.envhost.envs.scienceworld import ScienceWorldGame
 from opentinker.services.envhost.envs.selfplay import GomokuDuelGame, NegotiationGame
 from opentinker.services.envhost.envs.simulated_user import SimulatedUserGame
+from opentinker.services.envhost.envs.swe import SWEGame
 
 BUILTIN: dict[str, type[AbstractGame]] = {
     cls.name: cls for cls in (ArithGame, GSM8KGame, GuessNumberGame, CodeMathGame, GomokuGame, BanditGame,
                               GomokuDuelGame, NegotiationGame, ScienceWorldGame, AlfWorldGame, AndroidWorldGame,
-                              Geometry3kGame, Geometry3kToolGame, SimulatedUserGame)
+                              Geometry3kGame, Geometry3kToolGame, SimulatedUserGame, SWEGame)
 }

@@ -4,7 +4,8 @@ Isolation is bubblewrap's (`bwrap`, Debian package `bubblewrap`): new network, P
 IPC and UTS namespaces, and a root filesystem that holds only the OS libraries (/usr,
 read-only), the Python installation (read-only), a few chosen packages from this
 environment's site-packages (read-only; sympy, mpmath, numpy by default) and a fresh
-`/work` tmpfs, the only writable place, gone when the run ends. Nothing else of the
+`/work` tmpfs, the only writable place, gone when the run ends (it starts with the code
+as main.py and any `files` given, read-only). Nothing else of the
 host (no /etc, no $HOME, no repository) is visible, and no network is reachable.
 
 Resource limits are rlimits set inside the sandbox just before the code runs: CPU
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -130,28 +132,37 @@ class RunResult:
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
-               packages: tuple[str, ...] = DEFAULT_PACKAGES) -> RunResult:
+               packages: tuple[str, ...] = DEFAULT_PACKAGES,
+               files: Mapping[str, bytes] | None = None) -> RunResult:
     """Run `code` as `python -I main.py` in a fresh sandbox (see the module docstring).
 
     `packages`: distributions of this environment to make importable (read-only), when
-    installed. Returns within about `limits.timeout_s` + 0.1 s, whatever the code does.
-    Raises SandboxUnavailable when bwrap is missing or cannot make a sandbox here.
+    installed. `files`: name -> bytes of more files placed read-only beside main.py in
+    /work (e.g. an archive the code unpacks); they count toward `limits.disk_mb`.
+    Returns within about `limits.timeout_s` + 0.1 s, whatever the code does.
+    Raises SandboxUnavailable when bwrap is missing or cannot make a sandbox here, and
+    ValueError for a file name that is not a plain name (empty, "/", ".", "..", main.py).
     """
     check()
+    files = dict(files or {})
+    for name in files:
+        if not name or "/" in name or "\0" in name or name in (".", "..", "main.py"):
+            raise ValueError(f"files: {name!r} is not a plain file name other than main.py")
     code_fd = _memfd("main.py", code.encode("utf-8", "surrogatepass"))
     cfg_fd = _memfd("pyvenv.cfg", _pyvenv_cfg().encode())
+    file_fds = {name: _memfd(name, data) for name, data in files.items()}
     root = os.geteuid() == 0
     uid = _UID_BASE + (((os.getpid() & 0xFFFF) << 10) | (next(_runs) & 0x3FF)) if root else None
-    cmd = [*_bwrap_args(root, limits, cfg_fd, code_fd, _package_binds(packages)),
+    cmd = [*_bwrap_args(root, limits, cfg_fd, code_fd, _package_binds(packages), file_fds),
            f"{_VENV}/bin/python", "-I", "-S", "-c", _bootstrap(limits, uid)]
     start = time.monotonic()
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, pass_fds=(code_fd, cfg_fd),
+                                stderr=subprocess.STDOUT, pass_fds=(code_fd, cfg_fd, *file_fds.values()),
                                 start_new_session=True)
     finally:
-        os.close(code_fd)
-        os.close(cfg_fd)
+        for fd in (code_fd, cfg_fd, *file_fds.values()):
+            os.close(fd)
     out = _Output(limits.max_output_chars)
     try:
         timed_out = not _drain(proc, out, start + limits.timeout_s)
@@ -277,8 +288,9 @@ def _package_binds(packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 
 def _bwrap_args(root: bool, limits: SandboxLimits, cfg_fd: int, code_fd: int | None,
-                packages: tuple[tuple[str, str], ...]) -> list[str]:
-    """bwrap's options, up to the command: `cfg_fd` holds pyvenv.cfg, `code_fd` main.py."""
+                packages: tuple[tuple[str, str], ...], file_fds: Mapping[str, int] | None = None) -> list[str]:
+    """bwrap's options, up to the command: `cfg_fd` holds pyvenv.cfg, `code_fd` main.py,
+    `file_fds` name -> fd of the other files placed in /work."""
     exe, prefix, pyver = _interpreter()
     site = f"{_VENV}/lib/{pyver}/site-packages"
     a = ["bwrap", "--die-with-parent", "--new-session",
@@ -309,6 +321,8 @@ def _bwrap_args(root: bool, limits: SandboxLimits, cfg_fd: int, code_fd: int | N
     a += ["--perms", "1777", "--size", str(limits.disk_mb << 20), "--tmpfs", _WORK]
     if code_fd is not None:
         a += ["--perms", "0444", "--file", str(code_fd), f"{_WORK}/main.py"]
+    for name, fd in (file_fds or {}).items():
+        a += ["--perms", "0444", "--file", str(fd), f"{_WORK}/{name}"]
     # Last, once every mount point in it exists: the root tmpfs becomes read-only.
     a += ["--remount-ro", "/"]
     a += ["--chdir", _WORK, "--clearenv",

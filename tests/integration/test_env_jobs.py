@@ -81,6 +81,10 @@ async def test_every_builtin_env_trains_and_logs_its_episodes(services, nats_url
         "code-math": spec(tiny_model, "code-math", env_args={"source": "arith", "max_tool_calls": 2},
                           sampling={"max_new_tokens": 12, "max_turns": 3, "max_total_tokens": 1536}),
         "gsm8k": spec(tiny_model, "gsm8k", env_args={"data_dir": str(gsm8k_dir)}),
+        # each episode ends graded by the hidden tests, run in the envhost's sandbox; the
+        # tiny model's groups have equal rewards, and are trained on all the same
+        "swe": spec(tiny_model, "swe", env_args={"max_turns": 2, "timeout_s": 30}, skip_zero_variance=False,
+                    sampling={"max_new_tokens": 8, "max_turns": 2, "max_total_tokens": 1536}),
     }
     handles, metrics = await train_jobs(nats_url, services, jobs, job_id, 900)
     for env, h in handles.items():
@@ -103,6 +107,17 @@ async def test_every_builtin_env_trains_and_logs_its_episodes(services, nats_url
             assert all(len(ep["turns"]) == 1 for ep in eps)
         if env == "gsm8k":
             assert all("correct" in i for i in infos)
+        if env == "swe":
+            # graded after the 2nd reply (or at a submit, or -0.2 for an edit that did not apply)
+            for ep, i in zip(eps, infos):
+                assert i["ended"] in ("max_turns", "submit", "patch_failed"), i
+                if i["ended"] == "patch_failed":
+                    assert ep["reward"] == pytest.approx(-0.2)
+                else:
+                    assert ep["reward"] == pytest.approx(i["passed"] / i["total"]) and 0 <= ep["reward"] <= 1
+                    assert "Hidden tests:" in ep["turns"][-1]["observation"]
+            assert any(len(ep["turns"]) == 2 for ep in eps)
+            assert all(m.values["skipped_frac"] == 0 for m in metrics["swe"] if m.split == "train")
     # periodic evaluation of the bandit job: before training and after each step, on
     # the held-out split, reported beside the training reward
     evals = [m for m in metrics["bandit"] if m.split == "eval"]

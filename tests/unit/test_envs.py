@@ -23,7 +23,7 @@ def play(game, state, action):
 def test_registry_names_every_builtin():
     assert set(BUILTIN) == {"arith", "gsm8k", "guess-number", "code-math", "gomoku", "bandit", "gomoku-duel",
                             "geometry3k", "geometry3k-tool",
-                            "negotiation", "scienceworld", "alfworld", "android-world", "simulated-user"}
+                            "negotiation", "scienceworld", "alfworld", "android-world", "simulated-user", "swe"}
 
 
 @pytest.mark.parametrize("reply, reward", [

@@ -24,6 +24,7 @@ from opentinker.services.envhost.envs.gomoku import GomokuGame
 from opentinker.services.envhost.envs.gsm8k import GSM8KGame, load_split, prepare_gsm8k
 from opentinker.services.envhost.envs.guess_number import GuessNumberGame
 from opentinker.services.envhost.envs.selfplay import GomokuDuelGame, NegotiationGame
+from opentinker.services.envhost.envs.swe import SWEGame
 
 SEEDS = 5000
 GSM8K_SRC = Path("/work/shared/data/gsm8k")
@@ -109,6 +110,8 @@ CASES: dict[str, tuple[dict[str, Any], Case]] = {
                              exact=1)),
     # the shipped sample: 24 train, 8 test (the full Geometry3K test split has 601)
     "geometry3k": ({"data_dir": str(SAMPLE_DIR)}, Case(lambda a: Geometry3kGame(**a), _geometry, exact=8)),
+    # the 40 generated repositories: 8 are test (swe docstring)
+    "swe": ({}, Case(lambda a: SWEGame(**a), lambda s, _: s["task"], exact=8)),
 }
 
 

@@ -98,6 +98,15 @@ def test_each_run_starts_with_a_fresh_work_dir():
     assert run("import os\nprint(sorted(os.listdir('.')))").output == "['main.py']\n"
 
 
+def test_files_given_to_a_run_sit_read_only_beside_main_py():
+    r = run_python("import os\nprint(sorted(os.listdir('.')), open('data.bin', 'rb').read())\nopen('data.bin', 'wb')",
+                   FAST, files={"data.bin": b"\x00payload"})
+    assert r.output.startswith("['data.bin', 'main.py'] b'\\x00payload'\n") and "PermissionError" in r.output
+    for name in ("../escape", "main.py", ""):
+        with pytest.raises(ValueError, match="files:"):
+            run_python("pass", FAST, files={name: b""})
+
+
 def test_no_network_even_to_the_hosts_loopback():
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]

@@ -15,6 +15,7 @@
 | `scienceworld` | ScienceWorld (scienceworld package + Java) | multi | text-agent science tasks, one command a turn |
 | `alfworld` | ALFWorld ($ALFWORLD_DATA) | multi | household tasks in ALFWorld's text games (TextWorld PDDL) |
 | `simulated-user` | free or a scenarios file | multi | help a customer played by a model at an OpenAI-style URL |
+| `swe` | 40 generated repos or a SWE-Gym folder | multi | fix an issue with file, edit and test tools (sandboxed) |
 | `android-world` | - | - | not served: needs an Android emulator (raises with the reason) |
 
 `geometry3k`'s data: the env arg `data_dir`, else $GEOMETRY3K_DATA, else the sample shipped with the package.

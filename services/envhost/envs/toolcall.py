@@ -43,3 +43,20 @@ def tool_argument(body: str, tool: str, arg: str, usage: str) -> tuple[str, str]
     if not isinstance(args, dict) or not isinstance(args.get(arg), str):
         return "", usage
     return args[arg], ""
+
+
+def parse_call(body: str) -> tuple[str, dict, str]:
+    """(name, arguments, "") of a tool call's JSON `body` (arguments as an object or, OpenAI
+    style, a JSON string; none given is {}), or ("", {}, why it cannot be read)."""
+    try:
+        call = json.loads(body)
+        args = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+        if isinstance(args, str):
+            args = json.loads(args) if args.strip() else {}
+    except json.JSONDecodeError as e:
+        return "", {}, f"the tool call is not valid JSON ({e})"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return "", {}, 'a tool call is a JSON object {"name": ..., "arguments": {...}}'
+    if not isinstance(args, dict):
+        return "", {}, f"the arguments of {call['name']!r} must be a JSON object"
+    return call["name"], args, ""
