@@ -22,6 +22,7 @@ from opentinker.services.core.users import Users
 
 tinker = pytest.importorskip("tinker")
 
+from conftest import Services  # noqa: E402
 from tenants import wait_http_ok  # noqa: E402
 from tinker_sdk import run_rest, run_sdk  # noqa: E402
 
@@ -34,22 +35,40 @@ def datum(tokens: list[int], **inputs) -> "tinker.Datum":
                         loss_fn_inputs={k: tinker.TensorData.from_numpy(v) for k, v in arrays.items()})
 
 
-@pytest.fixture
-async def stack(services, bus, job_id):
+@pytest.fixture(scope="module")
+async def tinker_stack(nats_url, home, tmp_path_factory):
+    """The module's one stack (its tests run one after another on the one learner, each
+    closing its sessions): the tinker service's base URL and the stack's Services."""
+    services = Services(nats_url, home, tmp_path_factory.mktemp("tinker-stack"))
     port = free_port()
     for name in ("scheduler", "learner"):
         services.start(name)
     services.start("rollout", "engine=hf")
     services.start("tinker", f"tinker_port={port}")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_http_ok(base + "/api/v1/healthz")
+        yield base, services
+    finally:
+        services.stop_all()
+
+
+@pytest.fixture
+def services(tinker_stack):
+    """The module stack's Services (its logs and home), in place of a test's own."""
+    return tinker_stack[1]
+
+
+@pytest.fixture
+async def stack(tinker_stack, bus, job_id):
+    """Two tenants of the test's own, alice and bob: (base URL, {name: key})."""
     users = Users(bus)
     keys = {}
     for who in ("alice", "bob"):
         name = f"{who}-{job_id[-6:]}"
         await users.create_user(name)
         keys[who] = "tml-" + (await users.create_key(name))[1]
-    base = f"http://127.0.0.1:{port}"
-    await wait_http_ok(base + "/api/v1/healthz")
-    return base, keys
+    return tinker_stack[0], keys
 
 
 async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, services, job_id):
