@@ -149,7 +149,7 @@ async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
         await bus.dead_letter(m, f"TinkerSample refused: {why}")
         await m.term()
         return
-    answer = {"sampler": req.sampler, "seq_id": req.seq_id}
+    answer = {"sampler": req.sampler, "seq_id": req.seq_id, "record_key": req.record_key}
     beat = asyncio.create_task(_in_progress(m))
     try:
         slot = await worker.engine_for_model(rec.spec.model, rec.spec.engine, rec.spec.sampler_dtype,

@@ -10,9 +10,11 @@ answered as if it did not exist (404).
 What one user may hold (Settings; each refusal is a 429 naming the setting, which the
 SDK retries with backoff):
 - A session is finished as if its client had closed it (its models' learners export
-  their policy and complete, its sampling job ends) when its heartbeats stop for
-  SESSION_TTL_S, after `tinker_session_idle_s` without an operation or sample, and
-  `tinker_session_max_s` after it began. A tinker job that belongs to no open session
+  their policy and complete, its sampling job ends, its recorded samples are deleted)
+  when its heartbeats stop for `tinker_heartbeat_timeout_s` (a script that exits without
+  closing its ServiceClient: the SDK never finishes the session then), after
+  `tinker_session_idle_s` without an operation or sample, and `tinker_session_max_s`
+  after it began. A tinker job that belongs to no open session
   (one submitted over the REST API, or whose session finished) is closed the same way.
 - `tinker_inflight_per_user` / `tinker_inflight_bytes_per_user`: the operations and
   samples sent whose futures are not yet retrieved. A retrieved future's messages are
@@ -41,17 +43,17 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from opentinker.schemas import (CancelJob, CancelReply, JobRecord, JobSpec, SubmitJob, SubmitReply, WeightsPublished,
                                 decode, encode)
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import (TinkerOp, TinkerResult, TinkerSample, TinkerSampler, TinkerSamples,
-                                       TinkerSession, sampler_object)
+from opentinker.schemas.tinker import (RECORD_KEY_RE, TinkerOp, TinkerResult, TinkerSample, TinkerSampler,
+                                       TinkerSamples, TinkerSession, sampler_object)
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.models import DEFAULT_MODEL, resolve_model
 from opentinker.services.core.users import Users
-from opentinker.services.tinker import wire
+from opentinker.services.tinker import provenance, wire
+from opentinker.services.tinker.records import Records
 
 log = logging.getLogger("opentinker.tinker")
 
-SESSION_TTL_S = 300.0     # no heartbeat this long (the SDK beats every 10 s): finished
 POLL_S = 25.0             # a retrieve_future waits this long before "try again" (SDK timeout 45 s)
 RECORD_EVERY_S = 2.0      # a waiting retrieve_future looks at its job's record this often
 ACTIVE_EVERY_S = 30.0     # a session's `active_s` is written at most this often
@@ -91,6 +93,8 @@ class Gateway:
         self._active: dict[str, float] = {}  # session id -> the `active_s` last written
         self._purges: list[tuple[float, str]] = []  # (when, OT_TINKER subject filter) to purge
         self._closed: set[str] = set()  # tinker jobs the reaper sent a close (once per process)
+        self.records = Records(bus, self.limits)
+        self._record_keys: dict[str, str] = {}  # request id -> its record key (a resent sample reuses it)
 
     # -- what one user holds (module docstring) --------------------------------------
 
@@ -177,9 +181,12 @@ class Gateway:
         else:
             await kv.update(s.session_id, encode(s), last=revision)
 
-    async def create_session(self, user: str) -> str:
+    async def create_session(self, user: str, user_metadata: dict[str, str] | None = None,
+                             display_name: str = "") -> str:
+        """A new session of `user`, with its (checked: wire.check_metadata) user_metadata."""
         now = time.time()
-        s = TinkerSession(session_id=wire.new_session_id(), user=user, created_s=now, heartbeat_s=now)
+        s = TinkerSession(session_id=wire.new_session_id(), user=user, created_s=now, heartbeat_s=now,
+                          user_metadata=user_metadata or {}, display_name=display_name)
         await self._put(s, None)
         log.info("session %s of %r", s.session_id, user)
         return s.session_id
@@ -207,6 +214,9 @@ class Gateway:
         mine = self._inflight.get(s.user, {})
         for rid in [r for r in mine if wire.session_of_job(r) == s.session_id]:
             del mine[rid]
+        for rid in [r for r in self._record_keys if wire.session_of_job(r) == s.session_id]:
+            del self._record_keys[rid]
+        await self.records.drop_session(s.session_id)
         self._active.pop(s.session_id, None)
         later = time.time() + RETRIEVED_KEPT_S
         # its results (a learner purges its job's ops as it ends: a close must stay until read)
@@ -228,7 +238,7 @@ class Gateway:
         log.info("session %s finished (%d models, %d sampling sessions)", s.session_id, s.models, s.samplers)
 
     async def reap(self, now: float | None = None) -> list[str]:
-        """Finish the sessions with no heartbeat for SESSION_TTL_S, none of whose
+        """Finish the sessions with no heartbeat for tinker_heartbeat_timeout_s, none of whose
         operations or samples came for `tinker_session_idle_s`, or begun over
         `tinker_session_max_s` ago; close the tinker jobs of no open session. Returns
         the ids of the sessions and jobs ended."""
@@ -256,7 +266,8 @@ class Gateway:
                 continue
             if s.finished_s:
                 continue
-            why = ("no heartbeat for %.0f s" % (now - s.heartbeat_s) if now - s.heartbeat_s > SESSION_TTL_S else
+            why = ("no heartbeat for %.0f s" % (now - s.heartbeat_s)
+                   if now - s.heartbeat_s > lim.tinker_heartbeat_timeout_s else
                    "idle for %.0f s (tinker_session_idle_s)" % (now - max(s.active_s, s.created_s))
                    if now - max(s.active_s, s.created_s) > lim.tinker_session_idle_s else
                    "open for %.0f s (tinker_session_max_s)" % (now - s.created_s)
@@ -464,12 +475,14 @@ class Gateway:
         rec = await self._sampler(user, sid)
         return {"sampler_id": sid, "base_model": rec.base_model, "model_path": rec.model_path or None}
 
-    async def sample(self, user: str, req: TinkerSample) -> str:
+    async def sample(self, user: str, req: TinkerSample, record: bool = False) -> tuple[str, list[str]]:
         """Send `req` (for sampling session `req.sampler`) to the rollout worker of the
         session's inference job, waiting up to PLACEMENT_WAIT_S for its placement (one of
-        the user's tinker_polls_per_user waits). Returns the future's request id. Raises
-        ApiError: 404 for another's sampling session, 410 for an ended sampling job, 429
-        while it is still queued (the SDK retries) or over the user's in-flight limits."""
+        the user's tinker_polls_per_user waits); with `record` (record_stability_info),
+        record it (records.py). Returns the future's request id and its sequences' ids
+        (recorded: unguessable, provenance.py). Raises ApiError: 404 for another's
+        sampling session, 410 for an ended sampling job, 429 while it is still queued
+        (the SDK retries) or over the user's in-flight limits."""
         rec = await self._sampler(user, req.sampler)
         job_id = wire.sampling_job(rec.session_id)
         deadline = time.monotonic() + PLACEMENT_WAIT_S
@@ -488,9 +501,15 @@ class Gateway:
         rid = wire.request_id(req.sampler, req.seq_id)
         self._admit(user, rid, len(encode(req)))
         await self._touch(user, rec.session_id)
+        ids = [f"{rid}.{i}" for i in range(req.num_samples)]
+        if record:
+            if rid not in self._record_keys:
+                self._record_keys[rid] = await self.records.start(rec.session_id, rec, req.tokens)
+            req = msgspec.structs.replace(req, record_key=self._record_keys[rid])
+            ids = provenance.sequence_ids(req.record_key, req.num_samples)
         await self.bus.publish(S.rollout(job_id, job.placement.rollout[0]), req,
                                msg_id=f"{req.sampler}:sample{req.seq_id}")
-        return rid
+        return rid, ids
 
     def known_models(self) -> list[str]:
         return [DEFAULT_MODEL]
@@ -566,8 +585,12 @@ class Gateway:
             return {"error": f"the result does not decode ({e})", "category": "server"}
         if isinstance(got, TinkerSamples):
             samples = got
+            self._record_keys.pop(wire.request_id(samples.sampler, samples.seq_id), None)
             if samples.error:
                 return {"error": samples.error, "category": samples.category}
+            key = samples.record_key
+            if key and RECORD_KEY_RE.match(key) and key.partition(".")[0] == wire.session_of_job(job_id):
+                await self.records.finish(key, samples)
             return wire.sample_response(samples)
         r = got
         mid = wire.model_of_job(job_id)
