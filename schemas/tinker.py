@@ -47,6 +47,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKENS = 64
 MAX_SAMPLE_PROMPT_TOKENS = 131_072
+# top-k prompt logprobs: k (vLLM's default max_logprobs), and prompt positions x k, which
+# bounds a TinkerSamples' size (8 bytes an entry)
+MAX_TOPK_LOGPROBS = 20
+MAX_TOPK_ENTRIES = 262_144
+TOPK_MASK_LOGPROB = -99999.0  # an empty top-k entry (id 0), as the SDK's types/topk_logprobs.py reads it
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 # what save_state / save_weights_for_sampler names may be (a path segment, never "..")
 CHECKPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
@@ -184,6 +189,9 @@ class TinkerSample(Message, frozen=True, kw_only=True):
         default_factory=list)
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAMPLE_PROMPT_TOKENS)] = 0
+    # the k most likely tokens and their logprobs at every prompt position after the first
+    # (the last prompt_logprobs_last_n only, when set); 0: none
+    topk_prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
     # record_stability_info: the API service records the sequences under this key (echoed
     # in the TinkerSamples); "" records nothing
     record_key: Annotated[str, msgspec.Meta(max_length=64)] = ""
@@ -199,7 +207,10 @@ class SampledSequence(msgspec.Struct, frozen=True, kw_only=True):
 
 class TinkerSamples(Message, frozen=True, kw_only=True):
     """What a TinkerSample gave (or why not: `error`, `category`). prompt_logprobs: one
-    per prompt token, NaN for the first (nothing predicts it); empty unless asked."""
+    per prompt token, NaN for the first (nothing predicts it); empty unless asked.
+    topk_k > 0: topk_ids [L, k] int32 and topk_logprobs [L, k] float32 (little-endian,
+    row-major) of the prompt's L positions, most likely first, unscored rows (the first,
+    those before prompt_logprobs_last_n) id 0 and TOPK_MASK_LOGPROB."""
 
     sampler: str
     seq_id: Count
@@ -209,6 +220,9 @@ class TinkerSamples(Message, frozen=True, kw_only=True):
     prompt_logprobs: list[float] = msgspec.field(default_factory=list)
     policy_version: Count = 0
     record_key: str = ""  # the TinkerSample's
+    topk_k: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    topk_ids: bytes = b""
+    topk_logprobs: bytes = b""
 
 
 class RecordedPrompt(Message, frozen=True, kw_only=True):

@@ -13,8 +13,8 @@ another user's run answers 404.
 A model's operation that cannot be taken once its seq_id is known (image inputs, a
 bad save name, ttl_seconds or user_metadata, stable_reinforce provenance that does not
 check out, an optimizer other than Adam) fails its own future, naming the field, in
-its place in the model's order; anything else refused is a 400 naming it (top-k
-logprobs, `stop=[]`, a run list's `project_id`, a session's or model's bad
+its place in the model's order; anything else refused is a 400 naming it (top-k sample
+logprobs, prompt alternative tokens, `stop=[]`, a run list's `project_id`, a session's or model's bad
 user_metadata). Not served (404, no route): the REST client's publishing, copies,
 external weights, whoami.
 """
@@ -27,7 +27,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from opentinker.schemas.tinker import AdamParams, TinkerOp, TinkerSample
+from opentinker.schemas.tinker import MAX_TOPK_ENTRIES, MAX_TOPK_LOGPROBS, AdamParams, TinkerOp, TinkerSample
 from opentinker.services.core.users import AuthError
 from opentinker.services.tinker import wire
 from opentinker.services.tinker.runs import Runs, check_scope, page
@@ -357,9 +357,9 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict:
         user, b = await body(request, SampleBody)
-        for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
             if getattr(b, field):
-                raise ApiError(400, f"{field}: top-k logprobs are not served")
+                raise ApiError(400, f"{field}: not served (topk_prompt_logprobs is)")
         tokens: list[int] = []
         for i, c in enumerate(b.prompt.chunks):
             if c.get("type") != "encoded_text":
@@ -372,6 +372,10 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
         if last_n is not None and not (b.prompt_logprobs and 1 <= last_n < len(tokens)):
             raise ApiError(400, f"prompt_logprobs_last_n: must be 1 to len(prompt) - 1 = {len(tokens) - 1}, with "
                                 f"prompt_logprobs (got {last_n})")
+        k = b.topk_prompt_logprobs
+        if not 0 <= k <= MAX_TOPK_LOGPROBS or len(tokens) * k > MAX_TOPK_ENTRIES:
+            raise ApiError(400, f"topk_prompt_logprobs: {k} for {len(tokens)} prompt tokens (0 to "
+                                f"{MAX_TOPK_LOGPROBS}, and at most {MAX_TOPK_ENTRIES} positions x k)")
         p = b.sampling_params
         try:
             stop_tokens, stop_strings = wire.stops(p.stop)
@@ -380,7 +384,7 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
                                        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                        stop_tokens=stop_tokens,
                                        stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs,
-                                       prompt_logprobs_last_n=last_n or 0),
+                                       prompt_logprobs_last_n=last_n or 0, topk_prompt_logprobs=k),
                                   TinkerSample)
         except (wire.WireError, msgspec.ValidationError) as e:
             raise ApiError(400, str(e)) from None

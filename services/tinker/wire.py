@@ -326,7 +326,8 @@ def forward_backward_output(r: TinkerResult) -> bytes:
 
 def sample_response(r) -> bytes:
     """The serialized tinker_public.SampleResponse of a TinkerSamples: per sequence its
-    int32 tokens, float32 logprobs and stop reason; the prompt logprobs (NaN first)."""
+    int32 tokens, float32 logprobs and stop reason; the prompt logprobs (NaN first); the
+    top-k prompt logprobs (a TopkLogprobs of the prompt's length by k)."""
     pb = _pb()
     out = pb.SampleResponse()
     for s in r.sequences:
@@ -335,6 +336,9 @@ def sample_response(r) -> bytes:
         seq.logprobs = np.asarray(s.logprobs, "<f4").tobytes()
     if r.prompt_logprobs:
         out.prompt_logprobs = np.asarray(r.prompt_logprobs, "<f4").tobytes()
+    if r.topk_k:
+        out.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(token_ids=r.topk_ids, logprobs=r.topk_logprobs, k=r.topk_k,
+                                                          length=len(r.topk_ids) // (4 * r.topk_k)))
     return out.SerializeToString()
 
 

@@ -361,7 +361,10 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
         # what the cookbook's on-policy distillation asks of a teacher: the logprobs of a sequence
         scored = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt)).result()
         suffix = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt), prompt_logprobs_last_n=3).result()
-        scored = (scored, suffix)
+        # what the cookbook's self-distillation (distillation/sdft.py) asks: top-k prompt logprobs
+        topk = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=1, include_prompt_logprobs=True,
+                                   topk_prompt_logprobs=3, sampling_params=tinker.SamplingParams(max_tokens=1)).result()
+        scored = (scored, suffix, topk)
         return rewards, base_rate, one, len(prompt), oov, top1, scored
 
     rewards, base_rate, one, n_prompt, oov, top1, scored = await asyncio.to_thread(run_sdk, base, keys["alice"],
@@ -375,8 +378,11 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
     assert all(s.logprobs is not None and len(s.logprobs) == len(s.tokens) for s in one.sequences)
     assert len(one.prompt_logprobs) == n_prompt and one.prompt_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in one.prompt_logprobs[1:])
-    scored, suffix = scored
+    scored, suffix, topk = scored
     assert scored == pytest.approx(one.prompt_logprobs, abs=1e-4)
+    assert topk.topk_prompt_logprobs[0] is None and len(topk.topk_prompt_logprobs) == n_prompt
+    for row, lp in zip(topk.topk_prompt_logprobs[1:], scored[1:]):
+        assert len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1] and row[0][1] >= lp - 1e-4
     assert all(x is None for x in suffix[:-3]) and suffix[-3:] == pytest.approx(scored[-3:], abs=1e-4)
     assert len({tuple(s.tokens) for s in top1.sequences}) == 1
     assert all(lp == pytest.approx(0.0, abs=1e-4) for s in top1.sequences for lp in s.logprobs)

@@ -159,3 +159,18 @@ def test_a_saves_ttl_is_a_whole_number_of_seconds_from_an_hour_to_ten_years():
         with pytest.raises(wire.WireError, match="^ttl_seconds"):
             wire.check_ttl(bad)
 
+
+def test_top_k_prompt_logprobs_decode_in_the_sdk_with_the_first_row_empty():
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    from opentinker.schemas.tinker import TOPK_MASK_LOGPROB, SampledSequence, TinkerSamples
+
+    ids = np.array([[0, 0], [7, 3], [5, 9]], np.int32)
+    lps = np.array([[TOPK_MASK_LOGPROB] * 2, [-0.5, -1.25], [-0.125, -3.0]], np.float32)
+    r = TinkerSamples(sampler="ts-0123456789-s0", seq_id=1, prompt_logprobs=[float("nan"), -1.25, -0.125],
+                      sequences=[SampledSequence(tokens=[1], logprobs=[-0.5], stop_reason="stop")],
+                      topk_k=2, topk_ids=ids.tobytes(), topk_logprobs=lps.tobytes())
+    got = deserialize_sample_response(wire.sample_response(r))
+    assert got.topk_prompt_logprobs == [None, [(7, -0.5), (3, -1.25)], [(5, -0.125), (9, -3.0)]]
+    assert deserialize_sample_response(wire.sample_response(
+        TinkerSamples(sampler="ts-0123456789-s0", seq_id=1))).topk_prompt_logprobs is None
