@@ -30,7 +30,7 @@ as recorded, at each target position under a sampled run; 0 elsewhere) and
 sampled sequence at each such position; -1 elsewhere), the inputs the learner's
 stable_reinforce reads (learner/tinker_losses.py). Several sequences per datum (a
 multi-turn episode, the cookbook's rl/data_processing.py) are each their own sequence
-there.
+there. The datum's own `logprobs` input, which the loss does not read, is dropped.
 """
 
 from __future__ import annotations
@@ -164,7 +164,9 @@ def attach(data: Sequence[TinkerDatum], provenance: Sequence[Provenance | None],
                 mu[pos:pos + s.length] = rec.logprobs[s.offset:s.offset + s.length]
                 which[pos:pos + s.length] = order.setdefault(s.sequence_id, len(order))
             pos += s.length
-        inputs = dict(d.inputs)
+        # the client's `logprobs` are not read (the recorded ones are): dropped, which keeps
+        # the op within the stream's message size for a chunk the SDK filled
+        inputs = {k: v for k, v in d.inputs.items() if k != "logprobs"}
         inputs["recorded_logprobs"] = TinkerTensor(dtype="float32", shape=[n], data=mu.tobytes())
         inputs["recorded_sequence"] = TinkerTensor(dtype="int64", shape=[n], data=which.tobytes())
         out.append(TinkerDatum(tokens=d.tokens, inputs=inputs))

@@ -54,6 +54,7 @@ def accepted(fb, records=RECORDS):
     named = provenance.named(fb.provenance, SESSION)
     provenance.check(fb.data, fb.provenance, {sid: records.get(sid) for sid in named})
     out = provenance.attach(fb.data, fb.provenance, records)
+    assert all("logprobs" not in d.inputs for d in out)  # the client's: not read, not sent on
     return [(np.frombuffer(d.inputs["recorded_logprobs"].data, np.float32).tolist(),
              np.frombuffer(d.inputs["recorded_sequence"].data, np.int64).tolist()) for d in out]
 
