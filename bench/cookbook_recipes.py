@@ -3,7 +3,17 @@
 env) and on-policy distillation (importance_sampling, a teacher's compute_logprobs), a
 few steps each with small batches on SmolLM2-135M-Instruct, every HTTP call the SDK makes
 recorded (bench/cookbook_runner.py). What a run should show: every call answered without
-error (no status >= 400, no failed future, no call unanswered) and each recipe exiting 0.
+error (no status >= 400, no failed future, no call unanswered), each recipe exiting 0,
+and rl_loop (copy task), math_rl and the distillation each sending forward_backward with
+their loss, every datum with provenance.
+
+rl_loop runs twice. On GSM8K (`rl_loop`), as shipped, SmolLM2-135M never writes its
+answer in \\boxed{} (0 of 96 samples when this was written; rl_loop's reward needs it), so
+every group's rewards are equal and rl_loop skips every training step: its sampling,
+saves and listing are exercised, its loss is not. `rl_loop_copy` gives it a local file
+in GSM8K's format whose questions ask to copy an answer ("Copy this answer:
+\\boxed{17}"), which the model does now and then (1 of 8), so groups differ and rl_loop's
+own stable_reinforce step runs.
 
     .venv/bin/python bench/cookbook_recipes.py --gsm8k /work/shared/data/gsm8k
     .venv/bin/python bench/cookbook_recipes.py --gsm8k DIR --only rl_loop --steps 2 --out /tmp/x.json
@@ -48,7 +58,9 @@ COOKBOOK = "tinker-cookbook==0.6.1"
 PINS = ("tinker==0.38.0", "torch==2.13.0")
 EXTRAS = ("math-rl",)
 LEFT_OUT = ("tml-renderers",)  # module docstring
-RECIPES = ("rl_loop", "math_rl", "on_policy_distillation")
+# run name -> (recipe, its data: "gsm8k" or "copy")
+RUNS = {"rl_loop": ("rl_loop", "gsm8k"), "rl_loop_copy": ("rl_loop", "copy"), "math_rl": ("math_rl", "gsm8k"),
+        "on_policy_distillation": ("on_policy_distillation", "gsm8k")}
 RENDERER = "role_colon"
 
 
@@ -62,6 +74,21 @@ def recipe_args(recipe: str, model: str, steps: int, log_dir: Path) -> list[str]
         return [*common, f"renderer_name={RENDERER}", "groups_per_batch=4", "behavior_if_log_dir_exists=delete"]
     return [*common, f"teacher_model={model}", f"renderer_name={RENDERER}", "groups_per_batch=2", "max_tokens=64",
             "behavior_if_log_dir_exists=delete"]
+
+
+def copy_task(folder: Path, n_train: int = 512, n_test: int = 64) -> Path:
+    """`folder` with train.jsonl and test.jsonl in GSM8K's format ({"question", "answer"
+    ending "#### <n>"}) whose questions ask to copy a boxed number (module docstring)."""
+    import random
+
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        rows = [rng.randrange(100) for _ in range(n)]
+        (folder / f"{split}.jsonl").write_text("".join(
+            json.dumps({"question": f"Copy this answer: \\boxed{{{x}}}", "answer": f"The answer is {x}.\n#### {x}"})
+            + "\n" for x in rows))
+    return folder
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -171,28 +198,31 @@ def _route(path: str) -> str:
     return "/".join(p if p in known or "_" in p and not p.startswith("ts-") else "{id}" for p in parts)
 
 
-def run_recipe(python: Path, recipe: str, model: str, steps: int, scratch: Path, env: dict,
+def run_recipe(python: Path, name: str, data: Path, model: str, steps: int, scratch: Path, env: dict,
                timeout_s: float) -> dict:
-    """One recipe through bench/cookbook_runner.py: its record (module docstring)."""
-    calls_path = scratch / f"{recipe}.calls.jsonl"
+    """Run `name` of RUNS through bench/cookbook_runner.py on the GSM8K-format folder
+    `data`: its record (module docstring)."""
+    recipe = RUNS[name][0]
+    calls_path = scratch / f"{name}.calls.jsonl"
     calls_path.unlink(missing_ok=True)
     cmd = [str(python), str(BENCH / "cookbook_runner.py"), recipe, str(calls_path),
-           *recipe_args(recipe, model, steps, scratch / "runs" / recipe)]
+           *recipe_args(recipe, model, steps, scratch / "runs" / name)]
     t0 = time.time()
     try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=scratch)
+        r = subprocess.run(cmd, env={**env, "GSM8K_DIR": str(data)}, capture_output=True, text=True,
+                           timeout=timeout_s, cwd=scratch)
         rc, output = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc, output = None, f"timed out after {timeout_s:.0f} s\n" + (e.stdout or b"").decode(errors="replace")
-    (scratch / f"{recipe}.log").write_text(output)
+    (scratch / f"{name}.log").write_text(output)
     calls = [json.loads(line) for line in calls_path.read_text().splitlines()] if calls_path.exists() else []
-    return {"recipe": recipe, "args": cmd[4:], "returncode": rc, "wall_s": round(time.time() - t0, 1),
-            **summarize(calls), "output_tail": output.splitlines()[-15:]}
+    return {"recipe": name, "data": RUNS[name][1], "args": cmd[4:], "returncode": rc,
+            "wall_s": round(time.time() - t0, 1), **summarize(calls), "output_tail": output.splitlines()[-15:]}
 
 
 def report(res: dict) -> str:
     """The results file `res` as a short table (bench/results_page.py shows it)."""
-    lines = [f"### {res.get('date', '?')}: tinker-cookbook {res.get('cookbook', '?')} against `opentinker up` "
+    lines = [f"### {res.get('date', '?')}: {res.get('cookbook', '?')} against `opentinker up` "
              f"(commit {str(res.get('commit', '?'))[:7]}{', uncommitted changes' if res.get('dirty') else ''})\n",
              "| recipe | exit | steps | wall s | HTTP calls | failed | forward_backward (loss: calls, datums "
              "with provenance) |", "|---|---|---|---|---|---|---|"]
@@ -208,7 +238,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gsm8k", required=True, help="a folder with GSM8K's train.jsonl and test.jsonl")
     ap.add_argument("--steps", type=int, default=3, help="training steps per recipe (max_steps)")
-    ap.add_argument("--only", action="append", choices=RECIPES, help="run this recipe (repeatable; default all)")
+    ap.add_argument("--only", action="append", choices=RUNS, help="run this one (repeatable; default all)")
     ap.add_argument("--venv", help="the cookbook's virtualenv (default <home>/cookbook-venv-0.6.1)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per recipe")
     ap.add_argument("--out", help="results file (default bench/results/<date>_<commit>_cookbook.json)")
@@ -231,15 +261,16 @@ def main() -> None:
     proc, url, key = start_stack(scratch)
     print(f"opentinker up: Tinker API {url} (home {scratch})", flush=True)
     env = dict(os.environ, TINKER_BASE_URL=url, TINKER_API_KEY=f"tml-{key}", TINKER_TELEMETRY="0",
-               GSM8K_DIR=str(gsm8k), COOKBOOK_RENDERER=RENDERER, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               COOKBOOK_RENDERER=RENDERER, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_HOME=str(scratch / "hf"), WANDB_MODE="disabled",
                PYTHONUNBUFFERED="1")
     env.pop("OPENTINKER_HOME", None)
     try:
-        for recipe in args.only or RECIPES:
-            r = run_recipe(python, recipe, model, args.steps, scratch, env, args.timeout)
+        data = {"gsm8k": gsm8k, "copy": copy_task(scratch / "copy_task")}
+        for name in args.only or RUNS:
+            r = run_recipe(python, name, data[RUNS[name][1]], model, args.steps, scratch, env, args.timeout)
             record["recipes"].append(r)
-            print(f"{recipe}: exit {r['returncode']}, {r['wall_s']} s, {r['calls']} HTTP calls, "
+            print(f"{name}: exit {r['returncode']}, {r['wall_s']} s, {r['calls']} HTTP calls, "
                   f"{len(r['failed'])} failed, forward_backward {r['forward_backward']}", flush=True)
     finally:
         stop_stack(proc)
