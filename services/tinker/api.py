@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from opentinker.schemas.tinker import MAX_TOPK_ENTRIES, MAX_TOPK_LOGPROBS, AdamParams, TinkerOp, TinkerSample
+from opentinker.services.core.models import DEFAULT_MODEL
 from opentinker.services.core.users import AuthError
 from opentinker.services.tinker import wire
 from opentinker.services.tinker.runs import Runs, check_scope, page
@@ -209,7 +210,7 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
     async def capabilities(request: Request) -> dict:
         await caller(request)
         return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": False}
-                                     for m in gw.known_models()]}
+                                     for m in (DEFAULT_MODEL,)]}
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> dict:

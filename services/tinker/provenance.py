@@ -66,7 +66,8 @@ def new_record_key(session_id: str) -> str:
 
 
 def sequence_ids(record_key: str, n: int) -> list[str]:
-    """The ids of the `n` sequences recorded under `record_key`."""
+    """The ids of a sample's `n` sequences, `<record_key>.<i>` (a sample not recorded
+    passes its request id: ids no provenance can name)."""
     return [f"{record_key}.{i}" for i in range(n)]
 
 

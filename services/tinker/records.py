@@ -29,7 +29,8 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from opentinker.schemas import decode, encode
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import RecordedPrompt, RecordedSequence, TinkerDatum, TinkerSampler, TinkerSamples
+from opentinker.schemas.tinker import (RECORD_KEY_RE, RecordedPrompt, RecordedSequence, TinkerDatum, TinkerSampler,
+                                       TinkerSamples)
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.tinker import provenance, wire
@@ -47,11 +48,16 @@ class Records:
         self.limits = limits
         self._held: dict[str, OrderedDict[str, list[int]]] = {}  # session -> record key -> [bytes, sequences]
         self._totals: dict[str, list[int]] = {}  # session -> [bytes, sequences]
+        self._keys: dict[str, str] = {}  # a sample's request id -> its record key, until its result is read
 
-    async def start(self, session_id: str, sampler: TinkerSampler, tokens: list[int]) -> str:
-        """Record the prompt of a sample of `sampler` (a sampling session of
-        `session_id`) and the weights it samples with. Returns the sample's new record key."""
-        key = new_record_key(session_id)
+    async def start(self, rid: str, sampler: TinkerSampler, tokens: list[int]) -> str:
+        """Record the prompt of sample `rid` of `sampler` and the weights it samples with.
+        Returns the sample's record key: a new one, or the one `rid` got before (a resent
+        sample, which the bus delivers once)."""
+        if rid in self._keys:
+            return self._keys[rid]
+        session_id = sampler.session_id
+        key = self._keys[rid] = new_record_key(session_id)
         now = time.time()
         raw = encode(RecordedPrompt(session_id=session_id, sampler=sampler.sampler_id, tokens=list(tokens),
                                     model_path=sampler.model_path,
@@ -61,9 +67,14 @@ class Records:
         await self._count(session_id, key, len(raw), 0)
         return key
 
-    async def finish(self, record_key: str, samples: TinkerSamples) -> None:
-        """Record the sequences of the sample recorded under `record_key`, once (a second
-        retrieval of its result writes nothing)."""
+    async def finish(self, samples: TinkerSamples, session_id: str) -> None:
+        """Record the sequences of `samples` (a result of session `session_id`'s sampling)
+        when its sample was recorded (its echoed record key, checked to be the session's),
+        once (a second retrieval of the result writes nothing)."""
+        self._keys.pop(f"{samples.sampler}.{samples.seq_id}", None)
+        record_key = samples.record_key
+        if samples.error or not RECORD_KEY_RE.match(record_key) or record_key.partition(".")[0] != session_id:
+            return
         kv = await self.bus.kv(S.KV_TINKER_SEQS)
         now = time.time()
         size = count = 0
@@ -140,6 +151,8 @@ class Records:
     async def drop_session(self, session_id: str) -> None:
         """Delete every record of the session (it finished)."""
         await self.bus.purge_subject(f"KV_{S.KV_TINKER_SEQS}", f"$KV.{S.KV_TINKER_SEQS}.{session_id}.>")
+        for rid in [r for r in self._keys if r.startswith(f"{session_id}-")]:
+            del self._keys[rid]
         self._held.pop(session_id, None)
         self._totals.pop(session_id, None)
 

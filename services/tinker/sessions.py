@@ -10,9 +10,8 @@ answered as if it did not exist (404).
 What one user may hold (Settings; each refusal is a 429 naming the setting, which the
 SDK retries with backoff):
 - A session is finished as if its client had closed it (its models' learners export
-  their policy and complete, its sampling job ends, its recorded samples are deleted)
-  when its heartbeats stop for `tinker_heartbeat_timeout_s` (a script that exits without
-  closing its ServiceClient: the SDK never finishes the session then), after
+  their policy and complete, its sampling job ends, its records go) when its heartbeats
+  stop for `tinker_heartbeat_timeout_s` (a script that exits without closing it), after
   `tinker_session_idle_s` without an operation or sample, and `tinker_session_max_s`
   after it began. A tinker job that belongs to no open session
   (one submitted over the REST API, or whose session finished) is closed the same way.
@@ -43,14 +42,13 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from opentinker.schemas import (CancelJob, CancelReply, JobRecord, JobSpec, SubmitJob, SubmitReply, WeightsPublished,
                                 decode, encode)
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import (RECORD_KEY_RE, TinkerOp, TinkerResult, TinkerSample, TinkerSampler,
-                                       TinkerSamples, TinkerSession, sampler_object)
+from opentinker.schemas.tinker import (TinkerOp, TinkerResult, TinkerSample, TinkerSampler, TinkerSamples,
+                                       TinkerSession, sampler_object)
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.models import DEFAULT_MODEL, resolve_model
 from opentinker.services.core.users import Users
-from opentinker.services.tinker import provenance, wire
-from opentinker.services.tinker.records import Records
+from opentinker.services.tinker import provenance, records, wire
 
 log = logging.getLogger("opentinker.tinker")
 
@@ -93,8 +91,7 @@ class Gateway:
         self._active: dict[str, float] = {}  # session id -> the `active_s` last written
         self._purges: list[tuple[float, str]] = []  # (when, OT_TINKER subject filter) to purge
         self._closed: set[str] = set()  # tinker jobs the reaper sent a close (once per process)
-        self.records = Records(bus, self.limits)
-        self._record_keys: dict[str, str] = {}  # request id -> its record key (a resent sample reuses it)
+        self.records = records.Records(bus, self.limits)
 
     # -- what one user holds (module docstring) --------------------------------------
 
@@ -181,8 +178,7 @@ class Gateway:
         else:
             await kv.update(s.session_id, encode(s), last=revision)
 
-    async def create_session(self, user: str, user_metadata: dict[str, str] | None = None,
-                             display_name: str = "") -> str:
+    async def create_session(self, user: str, user_metadata: dict[str, str] | None = None, display_name="") -> str:
         """A new session of `user`, with its (checked: wire.check_metadata) user_metadata."""
         now = time.time()
         s = TinkerSession(session_id=wire.new_session_id(), user=user, created_s=now, heartbeat_s=now,
@@ -214,8 +210,6 @@ class Gateway:
         mine = self._inflight.get(s.user, {})
         for rid in [r for r in mine if wire.session_of_job(r) == s.session_id]:
             del mine[rid]
-        for rid in [r for r in self._record_keys if wire.session_of_job(r) == s.session_id]:
-            del self._record_keys[rid]
         await self.records.drop_session(s.session_id)
         self._active.pop(s.session_id, None)
         later = time.time() + RETRIEVED_KEPT_S
@@ -478,11 +472,10 @@ class Gateway:
     async def sample(self, user: str, req: TinkerSample, record: bool = False) -> tuple[str, list[str]]:
         """Send `req` (for sampling session `req.sampler`) to the rollout worker of the
         session's inference job, waiting up to PLACEMENT_WAIT_S for its placement (one of
-        the user's tinker_polls_per_user waits); with `record` (record_stability_info),
-        record it (records.py). Returns the future's request id and its sequences' ids
-        (recorded: unguessable, provenance.py). Raises ApiError: 404 for another's
-        sampling session, 410 for an ended sampling job, 429 while it is still queued
-        (the SDK retries) or over the user's in-flight limits."""
+        the user's tinker_polls_per_user waits); recorded with `record` (records.py).
+        Returns the future's request id and its sequences' ids. Raises ApiError: 404 for
+        another's sampling session, 410 for an ended sampling job, 429 while it is still
+        queued (the SDK retries) or over the user's in-flight limits."""
         rec = await self._sampler(user, req.sampler)
         job_id = wire.sampling_job(rec.session_id)
         deadline = time.monotonic() + PLACEMENT_WAIT_S
@@ -501,18 +494,12 @@ class Gateway:
         rid = wire.request_id(req.sampler, req.seq_id)
         self._admit(user, rid, len(encode(req)))
         await self._touch(user, rec.session_id)
-        ids = [f"{rid}.{i}" for i in range(req.num_samples)]
         if record:
-            if rid not in self._record_keys:
-                self._record_keys[rid] = await self.records.start(rec.session_id, rec, req.tokens)
-            req = msgspec.structs.replace(req, record_key=self._record_keys[rid])
-            ids = provenance.sequence_ids(req.record_key, req.num_samples)
+            req = msgspec.structs.replace(req, record_key=await self.records.start(rid, rec, req.tokens))
+        ids = provenance.sequence_ids(req.record_key or rid, req.num_samples)
         await self.bus.publish(S.rollout(job_id, job.placement.rollout[0]), req,
                                msg_id=f"{req.sampler}:sample{req.seq_id}")
         return rid, ids
-
-    def known_models(self) -> list[str]:
-        return [DEFAULT_MODEL]
 
     # -- operations and futures ---------------------------------------------------
 
@@ -585,12 +572,9 @@ class Gateway:
             return {"error": f"the result does not decode ({e})", "category": "server"}
         if isinstance(got, TinkerSamples):
             samples = got
-            self._record_keys.pop(wire.request_id(samples.sampler, samples.seq_id), None)
+            await self.records.finish(samples, wire.session_of_job(job_id))
             if samples.error:
                 return {"error": samples.error, "category": samples.category}
-            key = samples.record_key
-            if key and RECORD_KEY_RE.match(key) and key.partition(".")[0] == wire.session_of_job(job_id):
-                await self.records.finish(key, samples)
             return wire.sample_response(samples)
         r = got
         mid = wire.model_of_job(job_id)

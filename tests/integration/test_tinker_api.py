@@ -533,14 +533,20 @@ async def test_recorded_samples_are_bounded_per_session_oldest_first_and_deleted
     for i in range(3):
         for s in sessions[:1] if i else sessions:
             sampler = TinkerSampler(sampler_id=f"{s}-s0", session_id=s, user="u", base_model="m")
-            key = await records.start(s, sampler, [1, 2, 3])
+            key = await records.start(f"{s}-s0.{i + 1}", sampler, [1, 2, 3])
+            assert await records.start(f"{s}-s0.{i + 1}", sampler, [1, 2, 3]) == key  # a resent sample
             samples = TinkerSamples(sampler=sampler.sampler_id, seq_id=i + 1, sequences=[seq, seq], record_key=key)
-            await records.finish(key, samples)
-            await records.finish(key, samples)  # the result read back twice
+            await records.finish(samples, s)
+            await records.finish(samples, s)  # the result read back twice
             keys[s].append(key)
-    named = {f"{k}.{j}": (k, j) for ks in keys.values() for k in ks for j in range(2)}
-    got, _ = await records.load(named)
     first, other = sessions
+    # a result read for one session that echoes another session's record key records nothing
+    foreign = await records.start(f"{other}-s0.50", TinkerSampler(sampler_id=f"{other}-s0", session_id=other,
+                                                                 user="u", base_model="m"), [1])
+    await records.finish(TinkerSamples(sampler=f"{first}-s0", seq_id=50, sequences=[seq], record_key=foreign), first)
+    named = {f"{k}.{j}": (k, j) for ks in keys.values() for k in ks for j in range(2)}
+    got, _ = await records.load({**named, f"{foreign}.0": (foreign, 0)})
+    assert got[f"{foreign}.0"] is None
     # six sequences of the first session, at most four kept: its first sample went
     assert [got[f"{k}.0"] is not None for k in keys[first]] == [False, True, True]
     assert got[f"{keys[other][0]}.1"].tokens == [4, 5] and got[f"{keys[other][0]}.1"].prompt == [1, 2, 3]

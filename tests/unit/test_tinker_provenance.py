@@ -16,8 +16,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa:
 
 SESSION = "ts-0123456789"
 OTHER = "ts-abcdefabcd"
-KEY_A = provenance.new_record_key(SESSION)
-KEY_B = provenance.new_record_key(SESSION)
+KEY_A = f"{SESSION}.{'a1' * 16}"  # as new_record_key makes them (fixed: test ids must not vary)
+KEY_B = f"{SESSION}.{'b2' * 16}"
 A0, A1 = provenance.sequence_ids(KEY_A, 2)
 (B0,) = provenance.sequence_ids(KEY_B, 1)
 PROMPT_A = [10, 11, 12, 13]
@@ -110,7 +110,10 @@ def test_a_sequence_of_another_session_or_a_forged_id_is_refused(sid, message):
 
 
 def test_a_sequence_never_recorded_expired_or_evicted_is_refused():
-    unknown = provenance.sequence_ids(provenance.new_record_key(SESSION), 1)[0]
+    fresh = provenance.new_record_key(SESSION)
+    assert provenance.parse_sequence_id(f"{fresh}.0") == (SESSION, fresh, 0) and fresh != provenance.new_record_key(
+        SESSION)
+    unknown = provenance.sequence_ids(fresh, 1)[0]
     assert "no recorded sequence" in refused(parsed(rl_loop_datum(PROMPT_A, [30], unknown)))
     # the sample returned two sequences: a third is not there
     assert "no recorded sequence" in refused(parsed(rl_loop_datum(PROMPT_A, [30], f"{KEY_A}.2")))
