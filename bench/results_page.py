@@ -7,8 +7,8 @@ bench/results/, then the hand-kept history (bench/results_history.md) verbatim.
 The tables come from the report code each benchmark already has, newest first within a
 kind: `main_job_seeds.report` for every file `bench/main_job_seeds.py` wrote (the main job
 and other jobs over seeds), `<stem>.report` for bench/results/<stem>.json (and <stem>_*.json) of each of TASKS
-(tool use, the game against `random`, self-play, distillation), and `e2e_report.report_table` for every
-file `bench/e2e_grpo.py` wrote. A results file
+(tool use, the game against `random`, self-play, distillation), `e2e_report.report_table` for every
+file `bench/e2e_grpo.py` wrote, and `cookbook_recipes.report` for every `*_cookbook.json`. A results file
 that is missing, or whose report code is, is named on the page instead of a table. Run it
 after a benchmark writes a results file (tests/unit/test_results_page.py fails until then).
 Standard library only; reads nothing but bench/.
@@ -116,10 +116,22 @@ def e2e_section(results: dict[Path, dict]) -> str:
     return "".join(out)
 
 
+def cookbook_section(results: dict[Path, dict]) -> str:
+    """tinker-cookbook's recipes against `opentinker up` (bench/cookbook_recipes.py), newest first."""
+    files = {p: r for p, r in results.items() if p.name.endswith("_cookbook.json")}
+    out = "## tinker-cookbook against `opentinker up` (`bench/cookbook_recipes.py`), newest first\n\n"
+    if not files:
+        return out + "No `bench/results/*_cookbook.json` in this checkout.\n"
+    report = _report("cookbook_recipes", "report")
+    if report is None:
+        return out + "`bench/cookbook_recipes.py`, the report of these files, is not in this checkout.\n"
+    return out + "\n".join(f"`bench/results/{p.name}`\n\n{report(r)}" for p, r in _newest_first(files))
+
+
 def build() -> str:
     results = _results()
     parts = [HEADER, seeds_section(results), *(task_section(results, *t) for t in TASKS), e2e_section(results),
-             HISTORY.read_text()]
+             cookbook_section(results), HISTORY.read_text()]
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 

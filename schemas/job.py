@@ -35,7 +35,7 @@ Engine = Literal["auto", "vllm", "hf"]
 SamplerDtype = Literal["auto", "float32", "bfloat16"]
 LearnerDtype = Literal["auto", "float32", "bfloat16"]
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
-Surrogate = Literal["ppo", "gspo", "cispo", "importance_sampling", "dro", "cross_entropy"]
+Surrogate = Literal["ppo", "gspo", "cispo", "importance_sampling", "dro", "cross_entropy", "stable_reinforce"]
 LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
@@ -236,7 +236,10 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "its own gradient (GSPO-token, arXiv 2507.18071; its paper clips at `clip_range = 3e-4`, "
         "`clip_range_high = 4e-4`); `cispo` the clipped ratio as a constant coefficient of -A log pi, every "
         "token keeping a gradient (CISPO, arXiv 2506.13585 eq. 4); `importance_sampling` -r A, unclipped; "
-        "`dro` -A log pi + beta/2 (log r)^2, beta = `dro_beta` (arXiv 2405.19107); `cross_entropy` -A log pi. "
+        "`dro` -A log pi + beta/2 (log r)^2, beta = `dro_beta` (arXiv 2405.19107); `cross_entropy` -A log pi; "
+        "`stable_reinforce` -sg(min(r, C)) A log pi, C = `rollout_is_threshold`, a sequence whose geometric-mean "
+        "ratio leaves [1 - `clip_range`, 1 + `clip_range_high`] masked (truncated IS, Yao et al. 2025; Geo-Mask, "
+        "Liu & Li et al. 2025; OpenTinker's own formula: Tinker does not publish its own). "
         "`clip_frac` is reported for `ppo`, `gspo` and `cispo`.")) = "ppo"
     dro_beta: Bounded(float, 0, 100, doc=(
         "DRO's penalty weight beta: > 0 with `surrogate = \"dro\"` (e.g. 0.05, arXiv 2405.19107), 0 with any "

@@ -29,7 +29,10 @@ KV buckets: `ot_jobs` (JobRecord by job id), `ot_envs` (the operator's env catal
 EnvServed by env name, written by the operator's envhosts), `ot_workers` (WorkerInfo by
 `<pool>.<worker>`, entries expire WORKER_TTL_S after the last heartbeat), `ot_users`
 and `ot_keys` (users, and API keys stored as argon2 hashes), `ot_tinker` (the tinker
-API's sessions by session id). Rollout requests name
+API's sessions by session id, and its runs' and checkpoints' metadata), `ot_tinker_seqs`
+(what a Tinker sampling client with record_stability_info recorded: a request's prompt
+and each sampled sequence, by record key; entries expire TINKER_RECORD_TTL_S after their
+last write). Rollout requests name
 their worker in the subject: the scheduler places a job's rollouts on its workers, and
 each worker's durable consumer filters its own token, so work-queue consumers never
 overlap.
@@ -123,6 +126,8 @@ KV_USERS = "ot_users"
 KV_KEYS = "ot_keys"
 KV_TINKER = "ot_tinker"
 KV_ENVS = "ot_envs"
+KV_TINKER_SEQS = "ot_tinker_seqs"
+TINKER_RECORD_TTL_S = 86_400.0  # a recorded sequence unused this long is gone (Tinker's "one day")
 WORKER_TTL_S = 10.0       # a worker missing heartbeats this long is gone
 WORKER_HEARTBEAT_S = 2.0
 KV_MAX_VALUE_BYTES = 1 * MIB  # one value of any KV bucket (a JobRecord holds a spec of < 200 KiB)

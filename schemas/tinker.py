@@ -17,7 +17,13 @@ Producers and consumers:
   `ot.job.<job_id>.rollout.<worker>` (stream OT_ROLLOUT, beside RolloutRequests; told
   apart by the Ot-Schema header). The worker answers with TinkerSamples on
   `ot.job.<sampler>.results.<seq_id>`, per sampling session.
-- TinkerSession: the API service's record of a session, KV `ot_tinker`.
+- TinkerSession: the API service's record of a session, KV `ot_tinker`; beside it
+  TinkerRunMeta (`run.<job_id>`) and TinkerCheckpointMeta (`ckpt.<job_id>.<kind>.<hex
+  of the name>`), a run's and a save's user metadata and expiry.
+- RecordedPrompt / RecordedSequence: what a sampling client with record_stability_info
+  sampled (KV `ot_tinker_seqs`, `<record_key>.p` and `<record_key>.<i>`), written by the
+  API service from the TinkerSample it sent and the TinkerSamples it read back, read by
+  it again when a stable_reinforce datum names the sequence.
 
 Tensors travel as raw little-endian row-major bytes (`TinkerTensor`), as the Tinker
 SDK sends them.
@@ -41,9 +47,27 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKENS = 64
 MAX_SAMPLE_PROMPT_TOKENS = 131_072
+# top-k prompt logprobs: k (vLLM's default max_logprobs), and prompt positions x k, which
+# bounds a TinkerSamples' size (8 bytes an entry)
+MAX_TOPK_LOGPROBS = 20
+MAX_TOPK_ENTRIES = 262_144
+TOPK_MASK_LOGPROB = -99999.0  # an empty top-k entry (id 0), as the SDK's types/topk_logprobs.py reads it
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 # what save_state / save_weights_for_sampler names may be (a path segment, never "..")
 CHECKPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+# a record key: the session, then 32 random hex digits (unguessable); a sequence id is
+# `<record key>.<i>`, the i-th sequence the sample returned
+RECORD_KEY_RE = re.compile(r"^ts-[0-9a-f]{10}\.[0-9a-f]{32}$")
+# user_metadata of a session, run or save: a hostile client sends a huge one
+MAX_METADATA_KEYS = 32
+MAX_METADATA_KEY_CHARS = 128
+MAX_METADATA_VALUE_CHARS = 1024
+MAX_METADATA_BYTES = 8192
+MAX_DISPLAY_NAME_CHARS = 256
+Metadata = dict[str, str]
+# the loss_fn_inputs the API service adds to a stable_reinforce datum from its records
+# (services/tinker/provenance.py); a request naming one is refused
+RECORDED_INPUTS = ("recorded_logprobs", "recorded_sequence")
 
 
 def sampler_object(job_id: str, name: str) -> str:
@@ -165,6 +189,12 @@ class TinkerSample(Message, frozen=True, kw_only=True):
         default_factory=list)
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAMPLE_PROMPT_TOKENS)] = 0
+    # the k most likely tokens and their logprobs at every prompt position after the first
+    # (the last prompt_logprobs_last_n only, when set); 0: none
+    topk_prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    # record_stability_info: the API service records the sequences under this key (echoed
+    # in the TinkerSamples); "" records nothing
+    record_key: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class SampledSequence(msgspec.Struct, frozen=True, kw_only=True):
@@ -177,7 +207,10 @@ class SampledSequence(msgspec.Struct, frozen=True, kw_only=True):
 
 class TinkerSamples(Message, frozen=True, kw_only=True):
     """What a TinkerSample gave (or why not: `error`, `category`). prompt_logprobs: one
-    per prompt token, NaN for the first (nothing predicts it); empty unless asked."""
+    per prompt token, NaN for the first (nothing predicts it); empty unless asked.
+    topk_k > 0: topk_ids [L, k] int32 and topk_logprobs [L, k] float32 (little-endian,
+    row-major) of the prompt's L positions, most likely first, unscored rows (the first,
+    those before prompt_logprobs_last_n) id 0 and TOPK_MASK_LOGPROB."""
 
     sampler: str
     seq_id: Count
@@ -186,6 +219,61 @@ class TinkerSamples(Message, frozen=True, kw_only=True):
     sequences: list[SampledSequence] = msgspec.field(default_factory=list)
     prompt_logprobs: list[float] = msgspec.field(default_factory=list)
     policy_version: Count = 0
+    record_key: str = ""  # the TinkerSample's
+    topk_k: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    topk_ids: bytes = b""
+    topk_logprobs: bytes = b""
+
+
+class RecordedPrompt(Message, frozen=True, kw_only=True):
+    """The prompt of a sample request of a sampling client with record_stability_info
+    (KV `ot_tinker_seqs`, `<record_key>.p`): its session and sampling session, its
+    tokens, and the weights sampled with (`model_path`, the sampler weights' tinker://
+    path, "" for the base model; `weights_sha256` of their bytes). `used_s`: its last
+    use by a training request (unix s); the entry is rewritten on use at most hourly,
+    which restarts its day (TINKER_RECORD_TTL_S)."""
+
+    session_id: str
+    sampler: str
+    tokens: list[TokenId]
+    model_path: str = ""
+    weights_sha256: str = ""
+    created_s: float = 0.0
+    used_s: float = 0.0
+
+
+class RecordedSequence(Message, frozen=True, kw_only=True):
+    """One sampled sequence of a recorded request (`<record_key>.<i>`): its tokens, the
+    sampler's logprob of each, the policy version that sampled it; `used_s` as for
+    RecordedPrompt."""
+
+    tokens: list[TokenId]
+    logprobs: list[float]
+    policy_version: Count = 0
+    created_s: float = 0.0
+    used_s: float = 0.0
+
+
+class TinkerRunMeta(Message, frozen=True, kw_only=True):
+    """A training run's (a model's) user_metadata, from create_model or
+    create_training_client_from_state (KV `ot_tinker`, `run.<job_id>`)."""
+
+    job_id: str
+    user: str
+    user_metadata: Metadata = msgspec.field(default_factory=dict)
+
+
+class TinkerCheckpointMeta(Message, frozen=True, kw_only=True):
+    """A save's ttl and user_metadata (KV `ot_tinker`, `ckpt.<job_id>.<kind>.<hex of
+    the name>`; none for a save without either). expires_s: when the save is deleted
+    (unix s; 0: never)."""
+
+    job_id: str
+    user: str
+    kind: Literal["weights", "sampler_weights"]
+    name: str
+    expires_s: float = 0.0
+    user_metadata: Metadata = msgspec.field(default_factory=dict)
 
 
 class TinkerSampler(Message, frozen=True, kw_only=True):
@@ -215,3 +303,5 @@ class TinkerSession(Message, frozen=True, kw_only=True):
     finished_s: float = 0.0
     models: Count = 0
     samplers: Count = 0
+    user_metadata: Metadata = msgspec.field(default_factory=dict)
+    display_name: str = ""

@@ -59,7 +59,8 @@ JS_STORAGE_EXHAUSTED = 10047  # JetStream's err_code: "insufficient storage reso
 JS_NO_PEERS = 10005  # "no suitable peers for placement": a cluster node is still joining (or down)
 JS_STREAM_NOT_FOUND = 10059  # also, briefly, a stream just created, asked of a node that has not seen it yet
 PLACEMENT_WAIT_S = 120.0  # how long creating a replicated stream waits for the cluster's nodes
-KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS, S.KV_TINKER, S.KV_ENVS)
+KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS, S.KV_TINKER, S.KV_ENVS, S.KV_TINKER_SEQS)
+KV_TTL_S = {S.KV_WORKERS: S.WORKER_TTL_S, S.KV_TINKER_SEQS: S.TINKER_RECORD_TTL_S}  # expiring, no history
 
 # errors a NATS outage or a JetStream restart produces (the call may succeed later)
 TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.StaleConnectionError,
@@ -216,14 +217,13 @@ class Bus:
                 return await fn(*args, **kw)
 
     async def kv(self, bucket: str):
-        """The KV bucket `bucket`, created if missing. In `ot_workers` an entry expires
-        WORKER_TTL_S after its last write (a worker's missed heartbeats)."""
+        """The KV bucket `bucket`, created if missing. In KV_TTL_S's an entry expires that
+        long after its last write (a worker's missed heartbeats; a record unused a day)."""
         if bucket not in self._kv:
             try:
                 self._kv[bucket] = await self._retry(f"open KV {bucket}", self.js.key_value, bucket)
             except (NotFoundError, nats.js.errors.BucketNotFoundError):
-                ttl = S.WORKER_TTL_S if bucket == S.KV_WORKERS else None
-                history = 1 if bucket == S.KV_WORKERS else 8
+                history = 1 if (ttl := KV_TTL_S.get(bucket)) else 8
                 self._kv[bucket] = await self._place(f"create KV {bucket}", self.js.create_key_value,
                                                      bucket=bucket, history=history, ttl=ttl,
                                                      max_value_size=S.KV_MAX_VALUE_BYTES, replicas=self.replicas)

@@ -66,6 +66,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # ends) after this long without an operation or sample, and this long after it began
     tinker_session_idle_s: float = 3600.0
     tinker_session_max_s: float = 3 * 86400.0
+    # ... and this long without a heartbeat (the SDK beats every 10 s; a script that exits
+    # without closing its ServiceClient stops beating, and frees its learner this long after)
+    tinker_heartbeat_timeout_s: float = 60.0
+    # per Tinker session, what its sampling clients with record_stability_info may keep
+    # recorded (for the loss stable_reinforce); past either, its oldest records go first
+    tinker_recorded_bytes_per_session: int = 256 * 1024 * 1024
+    tinker_recorded_sequences_per_session: int = 65_536
     # per user, in the tinker service: futures long-polled at once (over: 429), and the
     # operations and samples sent whose futures are not yet retrieved (count and bytes;
     # over: 429), which bounds one user's share of the OT_TINKER and OT_ROLLOUT streams

@@ -467,8 +467,13 @@ def policy_loss(logp: torch.Tensor, logp_behav: torch.Tensor, advantages: torch.
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {cfg.ratio_level!r}")
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(keep, adv, 0.0)
+    seq_log_ratio = None
+    if cfg.surrogate == "stable_reinforce":  # its trust region is on the sequence's geometric-mean ratio
+        n = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        seq_log_ratio = (torch.where(keep, log_ratio, 0.0).sum(dim=1, keepdim=True) / n).expand_as(logp)
     pg, _ = surrogates.get(cfg.surrogate)(
-        logp, log_ratio, adv, SurrogateParams(1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.dual_clip, cfg.dro_beta))
+        logp, log_ratio, adv, SurrogateParams(1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.dual_clip, cfg.dro_beta,
+                                              cfg.rollout_is_threshold, seq_log_ratio))
     is_w_sum = is_capped_sum = mismatch_sum = 0.0
     if cfg.rollout_is != "none":
         w, capped = rollout_is_weights(logp_prox, logp_behav, loss_mask, cfg.rollout_is,

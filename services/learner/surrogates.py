@@ -27,12 +27,18 @@ import torch
 class SurrogateParams(NamedTuple):
     """low, high: the ratio's bounds (e.g. 1 - clip_range, 1 + clip_range_high), floats
     or tensors broadcastable to the tokens; dual_clip: c > 1 bounds a negative-advantage
-    token's PPO loss by -c A (0 = off); beta: DRO's quadratic penalty weight."""
+    token's PPO loss by -c A (0 = off); beta: DRO's quadratic penalty weight.
+    stable_reinforce only: is_threshold, C, the cap of a token's importance weight;
+    seq_log_ratio, per token the mean log ratio of the sampled sequence it belongs to
+    (the log of the sequence's geometric-mean ratio, repeated; None: each token is its
+    own sequence)."""
 
     low: float | torch.Tensor = 0.8
     high: float | torch.Tensor = 1.2
     dual_clip: float = 0.0
     beta: float = 0.0
+    is_threshold: float = 2.0
+    seq_log_ratio: torch.Tensor | None = None
 
 
 Surrogate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SurrogateParams],
@@ -123,6 +129,34 @@ def dro(logp, log_ratio, adv, p):
     arXiv 2405.19107; Kimi k1.5, arXiv 2501.12599 §2.3.2."""
     loss = -(adv * logp) + 0.5 * p.beta * log_ratio.square()
     return loss, _none(loss)
+
+
+@surrogate("stable_reinforce", clipped=True)
+def stable_reinforce(logp, log_ratio, adv, p):
+    """-M sg(min(r, C)) A log pi: REINFORCE whose importance weight r = pi / mu (mu the
+    sampler's probability) is truncated at C = p.is_threshold and never differentiated,
+    and whose whole sequence is masked (M = 0) when its geometric-mean ratio
+    g = exp(p.seq_log_ratio) leaves the trust region [p.low, p.high]. clipped: tokens
+    masked or truncated.
+
+    This is OpenTinker's, not Thinking Machines': Tinker's `stable_reinforce` page
+    (https://tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce/) does not
+    publish its formula. Ours combines two published off-policy stabilizers: token-level
+    truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training"; C = 2 as in verl's rollout correction)
+    and geometric sequence masking (Geo-Mask; Liu & Li et al. 2025, "When Speed Kills
+    Stability: Demystifying RL Collapse from the Training-Inference Mismatch", part 3: a
+    per-token trust region on the length-normalized ratio), on the REINFORCE gradient
+    (Williams 1992) as in the truncated-IS actor-critics (IMPALA's V-trace, Espeholt et
+    al. 2018, arXiv 1802.01561 eq. 1: rho = min(rho_bar, pi / mu))."""
+    r = torch.exp(log_ratio.detach())
+    seq = p.seq_log_ratio.detach() if p.seq_log_ratio is not None else log_ratio.detach()
+    g = torch.exp(seq)
+    low, high = _bounds(p, g)
+    masked = (g < low) | (g > high)
+    w = r.clamp(max=p.is_threshold)
+    loss = torch.where(masked, torch.zeros_like(logp), -(w * adv * logp))
+    return loss, masked | (r > p.is_threshold)
 
 
 @surrogate("cross_entropy")

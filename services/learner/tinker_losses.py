@@ -14,6 +14,11 @@ sampler's logprob of the same token), A the `advantages` input, r = exp(lp - q).
                          log s = mean of (lp_j - q_j) over the tokens j of the mask M
     cispo                L = -sum_i sg(clip(r_i, low, high)) * lp_i * A_i
     dro                  L = -sum_i (lp_i * A_i - 0.5 * beta * (lp_i - q_i)^2)
+    stable_reinforce     L = -sum_i M_s(i) * sg(min(r_i, C)) * A_i * lp_i over the sampled
+                         positions i, with r_i = exp(lp_i - mu_i) against the sampler's
+                         logprob mu_i *as recorded by the server* (not the `logprobs`
+                         input), and M_s = 0 for a sampled sequence s whose geometric-mean
+                         ratio exp(mean over its positions of lp - mu) leaves [low, high]
 
 The per-token formulas are the registry's (surrogates.py), which GRPO jobs use too
 (`surrogate` in the job spec); this module adds Tinker's inputs, bounds and metrics.
@@ -22,7 +27,17 @@ bounds themselves (config keys clip_low_threshold / clip_high_threshold, e.g. 0.
 1.2), not epsilons. Defaults: ppo 0.8 / 1.2 ("epsilon fixed to 0.2"), cispo 0.0 / 4.0
 (a one-sided clip, per Tinker's CISPO page), gspo 0.9997 / 1.0004 (GSPO's paper clips
 at 3e-4 and 4e-4; Tinker's page gives no default); dro's beta has no documented default,
-so it is required. gspo's mask M is the `sequence_ratio_mask` input (nonzero = in the
+so it is required.
+
+stable_reinforce is OpenTinker's formula, not Tinker's (its page does not publish one;
+surrogates.stable_reinforce has the sources): C is the config key `is_threshold`
+(default 2.0, at least 1), [low, high] the sequence trust region (clip_low_threshold /
+clip_high_threshold, default 0.9 / 1.1). Its inputs `recorded_logprobs` [N] (mu at each
+sampled target position, 0 elsewhere) and `recorded_sequence` [N] int (which sampled
+sequence of the datum each target position reproduces, 0, 1, ...; -1: not a sampled
+token) are the tinker service's, from the datum's provenance and what it recorded when
+sampling (services/tinker/provenance.py), never a client's; a position that is not a
+sampled token trains nothing, whatever its advantage. gspo's mask M is the `sequence_ratio_mask` input (nonzero = in the
 ratio), or, without it, the tokens with A != 0 (the sampled ones: a prompt position's
 `logprobs` is not a sampler's logprob). Per-token bounds may also come as [N]
 loss_fn_inputs arrays (the SDK's datum.py lists clip_low_threshold / clip_high_threshold as input keys); an array wins
@@ -43,10 +58,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from opentinker.schemas.tinker import RECORDED_INPUTS
 from opentinker.services.learner import surrogates
 from opentinker.services.learner.surrogates import SurrogateParams
 
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "dro")  # each in surrogates.SURROGATES
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "gspo", "cispo", "dro",
+            "stable_reinforce")  # each in surrogates.SURROGATES
+
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
@@ -56,6 +74,7 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "gspo": _RL_INPUTS,
     "cispo": _RL_INPUTS,
     "dro": _RL_INPUTS,
+    "stable_reinforce": ("target_tokens", "advantages", *RECORDED_INPUTS),
 }
 
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
@@ -68,6 +87,7 @@ OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {
     "gspo": ("weights", "sequence_ratio_mask", *CLIP_KEYS),
     "cispo": ("weights", *CLIP_KEYS),
     "dro": ("weights",),
+    "stable_reinforce": ("logprobs", "weights"),
 }
 
 CONFIG_KEYS: dict[str, tuple[str, ...]] = {
@@ -77,11 +97,13 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "gspo": CLIP_KEYS,
     "cispo": CLIP_KEYS,
     "dro": ("beta",),
+    "stable_reinforce": (*CLIP_KEYS, "is_threshold"),
 }
 
 # (clip_low_threshold, clip_high_threshold) when neither config nor inputs give one.
 CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "gspo": (1 - 3e-4, 1 + 4e-4),
-                                                 "cispo": (0.0, 4.0)}
+                                                 "cispo": (0.0, 4.0), "stable_reinforce": (0.9, 1.1)}
+IS_THRESHOLD_DEFAULT = 2.0  # stable_reinforce's C (verl's rollout_is_threshold default; Yao et al. 2025)
 
 
 class LossInputError(ValueError):
@@ -107,11 +129,13 @@ def check_inputs(loss_fn: str, inputs: Mapping[str, np.ndarray], n_tokens: int,
     _check_keys_and_shapes(loss_fn, {key: np.shape(value) for key, value in inputs.items()}, n_tokens)
     arrays = {key: np.asarray(value) for key, value in inputs.items()}
     for key, array in arrays.items():
-        if key == "target_tokens":
+        if key in ("target_tokens", "recorded_sequence"):
             if array.dtype.kind not in "iu":
-                raise LossInputError(f"loss_fn_inputs['target_tokens']: dtype {array.dtype} is not an integer type")
-            if array.size and array.min() < 0:
-                raise LossInputError("loss_fn_inputs['target_tokens']: token ids must be >= 0")
+                raise LossInputError(f"loss_fn_inputs[{key!r}]: dtype {array.dtype} is not an integer type")
+            lowest = 0 if key == "target_tokens" else -1
+            if array.size and array.min() < lowest:
+                raise LossInputError(f"loss_fn_inputs[{key!r}]: " + ("token ids must be >= 0" if lowest == 0 else
+                                                                       "sequence indices must be >= -1"))
         elif array.dtype.kind not in "iuf":
             raise LossInputError(f"loss_fn_inputs[{key!r}]: dtype {array.dtype} is not a real number type")
         elif not np.isfinite(array).all():
@@ -154,6 +178,8 @@ def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor
         loss = loss_t.sum()
         return loss, {"loss": float(loss.detach())}
 
+    if loss_fn == "stable_reinforce":
+        return _stable_reinforce(lp, inputs, cfg, as_lp)
     q, adv = as_lp(inputs["logprobs"]), as_lp(inputs["advantages"])
     log_ratio = lp - q
     active = adv != 0
@@ -176,6 +202,44 @@ def datum_loss(loss_fn: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor
     return loss, metrics
 
 
+def _stable_reinforce(lp: torch.Tensor, inputs: Mapping, cfg: Mapping[str, float],
+                      as_lp: Callable) -> tuple[torch.Tensor, dict[str, float]]:
+    """datum_loss of stable_reinforce (module docstring): the per-sequence mean log ratio
+    over the sampled positions, then surrogates.stable_reinforce. Metrics beside loss,
+    active_tokens and ratio_mean: masked_tokens (active tokens of a sequence outside the
+    trust region) and truncated_tokens (active tokens kept, their weight capped at C)."""
+    mu, adv = as_lp(inputs["recorded_logprobs"]), as_lp(inputs["advantages"])
+    seq = torch.as_tensor(inputs["recorded_sequence"], device=lp.device).long()
+    sampled = seq >= 0
+    adv = torch.where(sampled, adv, 0.0)
+    log_ratio = torch.where(sampled, lp - mu, 0.0)
+    idx = seq.clamp(min=0)
+    with torch.no_grad():
+        n = int(idx.max()) + 1 if len(idx) else 0
+        lr = log_ratio.detach()
+        sums = torch.zeros(n, dtype=lr.dtype, device=lr.device).index_add_(0, idx[sampled], lr[sampled])
+        counts = torch.zeros(n, dtype=lr.dtype, device=lr.device).index_add_(0, idx[sampled],
+                                                                          torch.ones_like(lr[sampled]))
+        seq_log_ratio = torch.where(sampled, (sums / counts.clamp(min=1.0))[idx], 0.0)
+    low, high = _clip_bounds("stable_reinforce", cfg, {}, as_lp)
+    c = cfg.get("is_threshold", IS_THRESHOLD_DEFAULT)
+    loss_t, clipped = surrogates.get("stable_reinforce")(
+        lp, log_ratio, adv, SurrogateParams(low, high, is_threshold=c, seq_log_ratio=seq_log_ratio))
+    loss = loss_t.sum()
+    active = sampled & (adv != 0)
+    n_active = int(active.sum())
+    with torch.no_grad():
+        ratio = log_ratio.detach().exp()
+        g = seq_log_ratio.exp()
+        masked = (g < low) | (g > high)
+    return loss, {"active_tokens": float(n_active),
+                  "ratio_mean": float(ratio[active].mean()) if n_active else 1.0,
+                  "clipped_tokens": float((clipped & active).sum()),
+                  "masked_tokens": float((masked & active).sum()),
+                  "truncated_tokens": float((~masked & (ratio > c) & active).sum()),
+                  "loss": float(loss.detach())}
+
+
 def _checked_config(loss_fn: str, config: Mapping[str, float | str] | None) -> dict[str, float]:
     """loss_fn_config -> {key: float}, after checking the loss name, keys and values."""
     if loss_fn not in LOSS_FNS:
@@ -190,6 +254,9 @@ def _checked_config(loss_fn: str, config: Mapping[str, float | str] | None) -> d
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise LossInputError(f"loss_fn_config[{key!r}]: {value!r} is not a finite number")
         cfg[key] = float(value)
+    if cfg.get("is_threshold", IS_THRESHOLD_DEFAULT) < 1:
+        raise LossInputError(f"loss_fn_config['is_threshold']: {cfg['is_threshold']} is below 1 (it caps a "
+                             "token's importance weight, e.g. 2.0)")
     if loss_fn == "dro":
         if "beta" not in cfg:
             raise LossInputError("loss_fn 'dro' needs loss_fn_config['beta'], the weight of its quadratic "

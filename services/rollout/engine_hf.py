@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
 from opentinker.schemas import SamplingParams
+from opentinker.schemas.tinker import TOPK_MASK_LOGPROB
 from opentinker.services.core.models import load_policy_model, load_processor, vision_inputs
 from opentinker.services.rollout.agent_loop import GenOut
 
@@ -183,6 +185,25 @@ class HFEngine:
             lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
             out.append([None, *lp.tolist()])
         return out
+
+    @torch.no_grad()
+    def prompt_logprobs_topk(self, prompt: list[int], k: int) -> tuple[list[float | None], np.ndarray, np.ndarray]:
+        """prompt_logprobs of one prompt, and at each position t >= 1 the k most likely
+        tokens of p(. | prompt[:t]) (the raw distribution) and their logprobs, most
+        likely first: (logprobs [L], ids [L, k] int32, logprobs [L, k] float32), row 0
+        the sentinel (id 0, logprob -99999, Tinker's TopkLogprobs mask). Raises
+        ValueError as prompt_logprobs does."""
+        if not prompt or len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens: need 1 to {self.max_model_len}")
+        ids = torch.tensor([prompt], device=self.device)
+        lsm = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), -1)
+        lp = lsm.gather(-1, ids[0, 1:, None])[:, 0]
+        top = lsm.topk(k, dim=-1)
+        out_ids = np.zeros((len(prompt), k), np.int32)
+        out_lps = np.full((len(prompt), k), TOPK_MASK_LOGPROB, np.float32)
+        out_ids[1:] = top.indices.cpu().numpy()
+        out_lps[1:] = top.values.cpu().numpy()
+        return [None, *lp.tolist()], out_ids, out_lps
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -52,9 +52,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from opentinker.schemas import SamplingParams  # noqa: E402
+from opentinker.schemas.tinker import TOPK_MASK_LOGPROB  # noqa: E402
 from opentinker.services.core.models import load_processor  # noqa: E402
 from opentinker.services.rollout.agent_loop import GenOut  # noqa: E402
 from opentinker.services.rollout.weights import BaseWeights, WeightsError  # noqa: E402
@@ -304,6 +306,33 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM returned {len(plps)} prompt logprobs for {len(p)} tokens")
             res.append([None] + [float(d[t].logprob) for d, t in zip(plps[1:], p[1:])])
         return res
+
+
+    def prompt_logprobs_topk(self, prompt: list[int], k: int) -> tuple[list[float | None], np.ndarray, np.ndarray]:
+        """prompt_logprobs of one prompt, and at each position t >= 1 the k (at most
+        vLLM's max_logprobs, 20) most likely tokens of p(. | prompt[:t]) and their
+        logprobs, most likely first (vLLM's rank order): (logprobs [L], ids [L, k] int32,
+        logprobs [L, k] float32), row 0 the sentinel (id 0, logprob -99999, Tinker's
+        TopkLogprobs mask). vLLM returns the prompt token beside the top k at each
+        position (SamplingParams(prompt_logprobs=k)). Raises ValueError as
+        prompt_logprobs does."""
+        from vllm import SamplingParams as VSamplingParams
+
+        if not prompt or len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens: need 1 to {self.max_model_len - 1}")
+        params = VSamplingParams(prompt_logprobs=k, max_tokens=1, temperature=0.0)
+        [out] = self.llm.generate(self._inputs([prompt], None), params, use_tqdm=False, lora_request=self.lora)
+        self._check_prompts([prompt], [out])
+        plps = out.prompt_logprobs or []
+        if len(plps) != len(prompt):
+            raise RuntimeError(f"vLLM returned {len(plps)} prompt logprobs for {len(prompt)} tokens")
+        ids = np.zeros((len(prompt), k), np.int32)
+        lps = np.full((len(prompt), k), TOPK_MASK_LOGPROB, np.float32)
+        for t, d in enumerate(plps[1:], start=1):
+            top = sorted((v.rank, tok, v.logprob) for tok, v in d.items() if v.rank is not None and v.rank <= k)
+            for j, (_, tok, lp) in enumerate(top[:k]):
+                ids[t, j], lps[t, j] = tok, lp
+        return [None] + [float(d[t].logprob) for d, t in zip(plps[1:], prompt[1:])], ids, lps
 
 
 def _packed_modules(worker) -> dict[str, list[str]]:

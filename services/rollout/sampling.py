@@ -9,7 +9,8 @@ prompt token ids checked against the model's vocabulary first,
 under the engine slot's lock; `num_samples` completions
 of the raw prompt tokens, cut at the first stop token or stop string (inclusive) once
 the lock is released (cut_at_stop); with
-`prompt_logprobs`, the prompt's token logprobs under the same policy. The answer,
+`prompt_logprobs`, the prompt's token logprobs under the same policy (and with
+`topk_prompt_logprobs`, the k most likely tokens at each position). The answer,
 or the reason there is none, goes to `ot.job.<sampler>.results.<seq_id>` (OT_TINKER),
 where the tinker service reads it; then the request is acked.
 
@@ -30,7 +31,7 @@ from nats.aio.msg import Msg
 
 from opentinker.schemas import SamplingParams
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import SampledSequence, TinkerSample, TinkerSamples
+from opentinker.schemas.tinker import TOPK_MASK_LOGPROB, SampledSequence, TinkerSample, TinkerSamples
 from opentinker.services.rollout.weights import WeightsError
 
 if TYPE_CHECKING:
@@ -90,10 +91,11 @@ def out_of_vocab(ids: list[int], tokenizer: Any) -> str:
     return "" if bad is None else f"token id {bad} is out of the model's vocabulary (0 to {vocab - 1})"
 
 
-def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[float]]:
-    """The engine's completions (agent_loop.GenOut, not yet cut at the stops) and (when
-    asked) prompt logprobs of `req` on `engine`. Raises ValueError for a prompt that
-    leaves no room under the engine's max_model_len."""
+def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[float], dict[str, Any]]:
+    """The engine's completions (agent_loop.GenOut, not yet cut at the stops), (when
+    asked) prompt logprobs and top-k prompt logprobs (TinkerSamples' topk_* fields, {}
+    when not asked) of `req` on `engine`. Raises ValueError for a prompt that leaves no
+    room under the engine's max_model_len."""
     why = out_of_vocab(req.tokens, engine.tokenizer)
     if why:
         raise ValueError(f"prompt: {why}")
@@ -105,12 +107,20 @@ def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[flo
                         max_total_tokens=len(req.tokens) + n)
     outs = engine.generate([list(req.tokens)] * req.num_samples, sp)
     prompt: list[float] = []
+    topk: dict[str, Any] = {}
+    cut = len(req.tokens) - req.prompt_logprobs_last_n if req.prompt_logprobs_last_n else 0
+    if req.topk_prompt_logprobs:
+        scores, ids, lps = engine.prompt_logprobs_topk(list(req.tokens), req.topk_prompt_logprobs)
+        ids[:cut], lps[:cut] = 0, TOPK_MASK_LOGPROB  # Tinker's prompt_logprobs_last_n applies to them too
+        topk = {"topk_k": req.topk_prompt_logprobs, "topk_ids": ids.astype("<i4").tobytes(),
+                "topk_logprobs": lps.astype("<f4").tobytes()}
+    elif req.prompt_logprobs:
+        scores = engine.prompt_logprobs([list(req.tokens)])[0]
     if req.prompt_logprobs:
-        prompt = [float("nan") if x is None else x for x in engine.prompt_logprobs([list(req.tokens)])[0]]
-        if req.prompt_logprobs_last_n:  # Tinker's prompt_logprobs_last_n: the suffix only
-            cut = len(prompt) - req.prompt_logprobs_last_n
+        prompt = [float("nan") if x is None else x for x in scores]
+        if cut:  # Tinker's prompt_logprobs_last_n: the suffix only
             prompt = [float("nan")] * cut + prompt[cut:]
-    return outs, prompt
+    return outs, prompt, topk
 
 
 async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
@@ -149,19 +159,19 @@ async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
         await bus.dead_letter(m, f"TinkerSample refused: {why}")
         await m.term()
         return
-    answer = {"sampler": req.sampler, "seq_id": req.seq_id}
+    answer = {"sampler": req.sampler, "seq_id": req.seq_id, "record_key": req.record_key}
     beat = asyncio.create_task(_in_progress(m))
     try:
         slot = await worker.engine_for_model(rec.spec.model, rec.spec.engine, rec.spec.sampler_dtype,
                                              rec.spec.dtype)
         async with slot.lock:
             version = await worker.policies.ensure_weights(slot, req.sampler, req.weights)
-            outs, prompt = await asyncio.get_running_loop().run_in_executor(
+            outs, prompt, topk = await asyncio.get_running_loop().run_in_executor(
                 slot.executor, sample_blocking, slot.engine, req)
         # the stops are matched after the engine's lock is released (the engine slot is
         # shared by every job of this base model)
         seqs = await asyncio.to_thread(lambda: [cut_at_stop(o, req, slot.engine.tokenizer) for o in outs])
-        result = TinkerSamples(**answer, sequences=seqs, prompt_logprobs=prompt, policy_version=version)
+        result = TinkerSamples(**answer, sequences=seqs, prompt_logprobs=prompt, policy_version=version, **topk)
     except ValueError as e:
         result = TinkerSamples(**answer, error=str(e), category="user")
     except (OSError, RuntimeError, ImportError, WeightsError) as e:  # the model, the engine or the weights failed

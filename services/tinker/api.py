@@ -10,10 +10,13 @@ The REST client's reads (runs.py): training runs (`GET /training_runs`, `.../{id
 their checkpoints (`GET /training_runs/{id}/checkpoints`, `GET /checkpoints`,
 `DELETE /training_runs/{id}/checkpoints/{checkpoint_id}`) and `POST /weights_info`;
 another user's run answers 404.
-Not served (400, naming it): top-k logprobs, image inputs, `stop=[]`; a run list's
-`project_id`; optimizers other than Adam fail their future. Not served (404, no
-route): the REST client's sessions, publishing, checkpoint TTLs, copies, external
-weights, whoami.
+A model's operation that cannot be taken once its seq_id is known (image inputs, a
+bad save name, ttl_seconds or user_metadata, stable_reinforce provenance that does not
+check out, an optimizer other than Adam) fails its own future, naming the field, in
+its place in the model's order; anything else refused is a 400 naming it (top-k sample
+logprobs, prompt alternative tokens, `stop=[]`, a run list's `project_id`, a session's or model's bad
+user_metadata). Not served (404, no route): the REST client's publishing, copies,
+external weights, whoami.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from opentinker.schemas.tinker import AdamParams, TinkerOp, TinkerSample
+from opentinker.schemas.tinker import MAX_TOPK_ENTRIES, MAX_TOPK_LOGPROBS, AdamParams, TinkerOp, TinkerSample
+from opentinker.services.core.models import DEFAULT_MODEL
 from opentinker.services.core.users import AuthError
 from opentinker.services.tinker import wire
 from opentinker.services.tinker.runs import Runs, check_scope, page
@@ -40,8 +44,9 @@ class _Body(msgspec.Struct, kw_only=True):
 
 class CreateSessionBody(_Body):
     tags: list[str] = []
-    user_metadata: dict[str, str] = {}
+    user_metadata: Any = None  # checked: wire.check_metadata
     project_id: str | None = None
+    display_name: Any = None
 
 
 class SessionBody(_Body):
@@ -61,6 +66,7 @@ class CreateModelBody(_Body):
     model_seq_id: int
     base_model: str
     lora_config: LoraConfig | None = None
+    user_metadata: Any = None
 
 
 class ModelBody(_Body):
@@ -79,6 +85,8 @@ class SaveBody(_Body):
     seq_id: int
     path: str | None = None
     sampling_session_seq_id: int | None = None
+    ttl_seconds: Any = None
+    user_metadata: Any = None
 
 
 class CreateSamplerBody(_Body):
@@ -117,6 +125,7 @@ class SampleBody(_Body):
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
     prompt_alt_tokens_k: int = 0
+    record_stability_info: bool | None = None
 
 
 class LoadBody(_Body):
@@ -126,6 +135,7 @@ class LoadBody(_Body):
     session_id: str | None = None
     model_seq_id: int | None = None
     optimizer: bool = False
+    user_metadata: Any = None
 
 
 class RetrieveBody(_Body):
@@ -136,8 +146,11 @@ class WeightsInfoBody(_Body):
     tinker_path: str
 
 
-def make_app(gw: Gateway) -> FastAPI:
+def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
+    """The routes over `gw` (sessions, models, futures) and `runs` (the REST listing and
+    the run and save metadata; one of its own when None)."""
     app = FastAPI(title="OpenTinker: the Tinker API", docs_url=None, redoc_url=None, openapi_url=None)
+    runs = runs or Runs(gw.bus)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> JSONResponse:
@@ -197,12 +210,22 @@ def make_app(gw: Gateway) -> FastAPI:
     async def capabilities(request: Request) -> dict:
         await caller(request)
         return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": False}
-                                     for m in gw.known_models()]}
+                                     for m in (DEFAULT_MODEL,)]}
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> dict:
-        user, _ = await body(request, CreateSessionBody)
-        return {"session_id": await gw.create_session(user)}
+        user, b = await body(request, CreateSessionBody)
+        md, name = checked(wire.check_metadata, b.user_metadata), checked(wire.check_display_name, b.display_name)
+        return {"session_id": await gw.create_session(user, md, name)}
+
+    @app.get("/api/v1/sessions")
+    async def list_sessions(request: Request) -> dict:
+        user = await caller(request)
+        return {"sessions": await runs.session_ids(user, *checked(page, request.query_params, 20))}
+
+    @app.get("/api/v1/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request) -> dict:
+        return await runs.session_info(await caller(request), session_id)
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> dict:
@@ -220,8 +243,10 @@ def make_app(gw: Gateway) -> FastAPI:
     async def create_model(request: Request) -> dict:
         user, b = await body(request, CreateModelBody)
         lora = b.lora_config or LoraConfig()
+        md = checked(wire.check_metadata, b.user_metadata)
         job_id = await gw.create_model(user, key_of(request), b.session_id, b.model_seq_id, b.base_model, lora.rank,
                                        lora.seed, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
+        await runs.note_run(user, job_id, md)
         return {"request_id": wire.request_id(job_id, 0), "model_id": wire.model_of_job(job_id)}
 
     @app.post("/api/v1/get_info")
@@ -234,14 +259,20 @@ def make_app(gw: Gateway) -> FastAPI:
         user = await caller(request)
         raw = await read(request)
         try:
-            mid, seq, loss_fn, config, forward_only, data = wire.parse_forward_backward(
-                raw, request.headers.get("content-encoding", ""))
+            fb = wire.parse_forward_backward(raw, request.headers.get("content-encoding", ""))
+        except wire.OpRefused as e:  # fails its own future, in its place in the order
+            job_id = await gw.own_model(user, e.model_id)
+            op = TinkerOp(job_id=job_id, seq_id=e.seq_id, op="forward_backward", error=str(e))
+            return {"request_id": await gw.submit(user, op), "model_id": e.model_id}
         except wire.WireError as e:
             raise ApiError(400, str(e)) from None
-        job_id = await gw.own_model(user, mid)
-        op = TinkerOp(job_id=job_id, seq_id=seq, op="forward" if forward_only else "forward_backward",
-                      data=data, loss_fn=loss_fn, loss_fn_config=config)
-        return {"request_id": await gw.submit(user, op), "model_id": mid}
+        job_id = await gw.own_model(user, fb.model_id)
+        data, error = fb.data, ""
+        if fb.loss_fn == "stable_reinforce":  # its inputs from what the session recorded (provenance.py)
+            data, error = await gw.records.with_provenance(job_id, data, fb.provenance)
+        op = TinkerOp(job_id=job_id, seq_id=fb.seq_id, op="forward" if fb.forward_only else "forward_backward",
+                      data=data, loss_fn=fb.loss_fn, loss_fn_config=fb.config, error=error)
+        return {"request_id": await gw.submit(user, op), "model_id": fb.model_id}
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict:
@@ -263,15 +294,21 @@ def make_app(gw: Gateway) -> FastAPI:
 
     async def save_op(user: str, b: SaveBody, kind: str) -> TinkerOp:
         """A save; save_weights_and_get_sampling_client names no path: its weights are
-        saved as `sampler-<sampling_session_seq_id>` and a sampling session opens on them."""
+        saved as `sampler-<sampling_session_seq_id>` and a sampling session opens on them.
+        Its ttl_seconds and user_metadata are kept (runs.note_save). A bad name, ttl or
+        metadata fails the op's own future, in its place in the model's order."""
         job_id = await gw.own_model(user, b.model_id)
         error, name, session = "", b.path or "", -1
         if not name and kind == "save_sampler" and b.sampling_session_seq_id is not None:
             name, session = f"sampler-{b.sampling_session_seq_id}", b.sampling_session_seq_id
         try:
             wire.check_name(name)
+            ttl_s, md = wire.check_ttl(b.ttl_seconds), wire.check_metadata(b.user_metadata)
         except wire.WireError as e:
             error = str(e)
+        if not error:
+            await runs.note_save(user, job_id, "weights" if kind == "save_state" else "sampler_weights", name,
+                                 ttl_s, md)
         return TinkerOp(job_id=job_id, seq_id=b.seq_id, op=kind, name=name, error=error,
                         sampling_session_seq_id=session)
 
@@ -281,8 +318,10 @@ def make_app(gw: Gateway) -> FastAPI:
         if b.model_id is None or b.seq_id is None:  # create_training_client_from_state
             if b.session_id is None or b.model_seq_id is None:
                 raise ApiError(400, "load_weights: model_id and seq_id, or session_id and model_seq_id")
+            md = checked(wire.check_metadata, b.user_metadata)
             job_id = await gw.create_from_state(user, key_of(request), b.session_id, b.model_seq_id, b.path,
                                                 b.optimizer)
+            await runs.note_run(user, job_id, md)
             return {"request_id": wire.request_id(job_id, 0), "model_id": wire.model_of_job(job_id)}
         job_id = await gw.own_model(user, b.model_id)
         error, path = "", ""
@@ -319,9 +358,9 @@ def make_app(gw: Gateway) -> FastAPI:
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict:
         user, b = await body(request, SampleBody)
-        for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
             if getattr(b, field):
-                raise ApiError(400, f"{field}: top-k logprobs are not served")
+                raise ApiError(400, f"{field}: not served (topk_prompt_logprobs is)")
         tokens: list[int] = []
         for i, c in enumerate(b.prompt.chunks):
             if c.get("type") != "encoded_text":
@@ -334,6 +373,10 @@ def make_app(gw: Gateway) -> FastAPI:
         if last_n is not None and not (b.prompt_logprobs and 1 <= last_n < len(tokens)):
             raise ApiError(400, f"prompt_logprobs_last_n: must be 1 to len(prompt) - 1 = {len(tokens) - 1}, with "
                                 f"prompt_logprobs (got {last_n})")
+        k = b.topk_prompt_logprobs
+        if not 0 <= k <= MAX_TOPK_LOGPROBS or len(tokens) * k > MAX_TOPK_ENTRIES:
+            raise ApiError(400, f"topk_prompt_logprobs: {k} for {len(tokens)} prompt tokens (0 to "
+                                f"{MAX_TOPK_LOGPROBS}, and at most {MAX_TOPK_ENTRIES} positions x k)")
         p = b.sampling_params
         try:
             stop_tokens, stop_strings = wire.stops(p.stop)
@@ -342,16 +385,14 @@ def make_app(gw: Gateway) -> FastAPI:
                                        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                        stop_tokens=stop_tokens,
                                        stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs,
-                                       prompt_logprobs_last_n=last_n or 0),
+                                       prompt_logprobs_last_n=last_n or 0, topk_prompt_logprobs=k),
                                   TinkerSample)
         except (wire.WireError, msgspec.ValidationError) as e:
             raise ApiError(400, str(e)) from None
-        rid = await gw.sample(user, req)
-        return {"request_id": rid, "sample_sequence_ids": [f"{rid}.{i}" for i in range(req.num_samples)]}
+        rid, ids = await gw.sample(user, req, bool(b.record_stability_info))
+        return {"request_id": rid, "sample_sequence_ids": ids}
 
     # -- the REST client's listing (runs.py) ------------------------------------------
-
-    runs = Runs(gw.bus)
 
     def checked(check, *args):
         """`check(*args)`; its WireError (which names the field) answered 400."""

@@ -1,5 +1,8 @@
 """The Tinker API's REST listing (the SDK's RestClient): a user's training runs and
-their checkpoints, answered from what the stack already records; nothing is kept here.
+their checkpoints, answered from what the stack already records, with the user metadata
+and expiry (ttl_seconds) the SDK attaches to runs and saves, which are kept here (KV
+`ot_tinker`: TinkerRunMeta `run.<job>`, TinkerCheckpointMeta `ckpt.<job>.<kind>.<hex
+of the name>`, schemas/tinker.py).
 
 - A training run is a model of a Tinker session, named by its Tinker model id
   `<session>:train:<n>`: a tinker job of the caller's in KV `ot_jobs`, whose record holds
@@ -15,6 +18,13 @@ their checkpoints, answered from what the stack already records; nothing is kept
   operation or sample (TinkerSession.active_s, written at most every ACTIVE_EVERY_S).
 - Lists are newest first: runs by creation, checkpoints by time. A page is `limit`
   (1 to MAX_PAGE) items from `offset` (0 to MAX_OFFSET); the cursor counts them all.
+- A run's `user_metadata` is its create_model's (or create_training_client_from_state's);
+  a save's, and its `expires_at` (its ttl_seconds after the save was asked for), the
+  save's own; a save asked for again without them has none. Each is checked by
+  wire.check_metadata / wire.check_ttl (a 400 naming the field). `expire`, every
+  EXPIRE_EVERY_S in the service's loop, deletes the saves whose time has come (their
+  objects, so their room in `store_bytes_per_user` is free again) and the metadata of
+  runs whose job record is gone.
 
 Another user's run answers 404, as one that does not exist, to every call (its
 checkpoints' listing, deletion and weights info included).
@@ -23,17 +33,19 @@ checkpoints' listing, deletion and weights info included).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Literal
 
 import msgspec
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError, ObjectNotFoundError
 
-from opentinker.schemas import JobRecord, decode
+from opentinker.schemas import JobRecord, decode, encode
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import CHECKPOINT_NAME_RE, TinkerSession
+from opentinker.schemas.tinker import CHECKPOINT_NAME_RE, TinkerCheckpointMeta, TinkerRunMeta, TinkerSession
 from opentinker.services.core.bus import Bus
 from opentinker.services.tinker import wire
 from opentinker.services.tinker.sessions import LORA_MODULES, ApiError
@@ -41,6 +53,7 @@ from opentinker.services.tinker.sessions import LORA_MODULES, ApiError
 MAX_PAGE = 1000
 MAX_OFFSET = 1_000_000
 LIST_TIMEOUT_S = 60.0
+EXPIRE_EVERY_S = 60.0
 _NUMBER_RE = re.compile(r"^-?[0-9]{1,12}$")
 # the object each kind of save writes (store, folder under the job) and its Tinker type
 KINDS = {"weights": (S.OBJ_CHECKPOINTS, "named", "training"),
@@ -56,6 +69,8 @@ class Checkpoint(msgspec.Struct, kw_only=True):
     tinker_path: str
     size_bytes: int | None = None
     public: bool = False
+    user_metadata: dict[str, str] | None = None
+    expires_at: datetime | None = None
 
 
 class Cursor(msgspec.Struct, kw_only=True):
@@ -78,6 +93,7 @@ class TrainingRun(msgspec.Struct, kw_only=True):
     last_request_time: datetime
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
 
 
 # -- pure: queries, names and shapes ---------------------------------------------------
@@ -141,20 +157,39 @@ def utc(mtime: str | None) -> datetime:
     return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t.astimezone(timezone.utc)
 
 
-def checkpoint(job_id: str, kind: str, name: str, size_bytes: int | None, mtime: str | None) -> Checkpoint:
-    """The Checkpoint of save `name` of kind `kind` of the model job `job_id`."""
+def checkpoint(job_id: str, kind: str, name: str, size_bytes: int | None, mtime: str | None,
+               meta: TinkerCheckpointMeta | None = None) -> Checkpoint:
+    """The Checkpoint of save `name` of kind `kind` of the model job `job_id`, with its
+    user metadata and expiry from `meta` (None: neither)."""
     return Checkpoint(checkpoint_id=f"{kind}/{name}", checkpoint_type=KINDS[kind][2], time=utc(mtime),
-                      tinker_path=wire.save_path(wire.model_of_job(job_id), kind, name), size_bytes=size_bytes)
+                      tinker_path=wire.save_path(wire.model_of_job(job_id), kind, name), size_bytes=size_bytes,
+                      user_metadata=(meta.user_metadata or None) if meta else None,
+                      expires_at=datetime.fromtimestamp(meta.expires_s, timezone.utc)
+                      if meta and meta.expires_s else None)
 
 
-def training_run(rec: JobRecord, checkpoints: list[Checkpoint], active_s: float = 0.0) -> TrainingRun:
+def training_run(rec: JobRecord, checkpoints: list[Checkpoint], active_s: float = 0.0,
+                 meta: TinkerRunMeta | None = None) -> TrainingRun:
     """The TrainingRun of the model job record `rec`, with its `checkpoints` (newest
-    first) and its session's last operation at unix time `active_s`."""
+    first), its session's last operation at unix time `active_s` and its user metadata
+    from `meta`."""
     newest = {t: next((c for c in checkpoints if c.checkpoint_type == t), None) for t in ("training", "sampler")}
     return TrainingRun(training_run_id=wire.model_of_job(rec.job_id), base_model=rec.spec.model,
                        model_owner=rec.user, lora_rank=rec.spec.lora_rank,
                        last_request_time=datetime.fromtimestamp(max(rec.created_s, active_s), timezone.utc),
-                       last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"])
+                       last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"],
+                       user_metadata=(meta.user_metadata or None) if meta else None)
+
+
+def run_key(job_id: str) -> str:
+    """The KV `ot_tinker` key of the TinkerRunMeta of model job `job_id`."""
+    return f"run.{job_id}"
+
+
+def checkpoint_key(job_id: str, kind: str, name: str) -> str:
+    """The KV `ot_tinker` key of the TinkerCheckpointMeta of a save (its name in hex: a
+    save name may hold dots, which a key's tokens may not run together)."""
+    return f"ckpt.{job_id}.{kind}.{name.encode().hex()}"
 
 
 def weights_info(rec: JobRecord) -> dict:
@@ -202,11 +237,69 @@ class Runs:
             raise missing
         return got[0]
 
+    # -- what is kept here: run and save metadata, expiry ----------------------------
+
+    async def note_run(self, user: str, job_id: str, user_metadata: dict[str, str]) -> None:
+        """Keep model job `job_id`'s user metadata (checked already; {}: none)."""
+        kv = await self.bus.kv(S.KV_TINKER)
+        if user_metadata:
+            await kv.put(run_key(job_id), encode(TinkerRunMeta(job_id=job_id, user=user, user_metadata=user_metadata)))
+
+    async def note_save(self, user: str, job_id: str, kind: str, name: str, ttl_s: int,
+                        user_metadata: dict[str, str], now: float | None = None) -> None:
+        """Keep a save's expiry (`ttl_s` from `now`; 0: never) and user metadata (both
+        checked already), replacing what an earlier save of the name had."""
+        kv = await self.bus.kv(S.KV_TINKER)
+        key = checkpoint_key(job_id, kind, name)
+        if not ttl_s and not user_metadata:
+            with contextlib.suppress(KeyNotFoundError):
+                await kv.purge(key)
+            return
+        now = time.time() if now is None else now
+        await kv.put(key, encode(TinkerCheckpointMeta(job_id=job_id, user=user, kind=kind, name=name,
+                                                      expires_s=now + ttl_s if ttl_s else 0.0,
+                                                      user_metadata=user_metadata)))
+
+    async def _metas(self) -> tuple[dict[str, TinkerRunMeta], dict[tuple[str, str, str], TinkerCheckpointMeta]]:
+        """Every run's metadata by job id, every save's by (job id, kind, name)."""
+        runs_meta, saves_meta = {}, {}
+        for key, (value, _) in (await self.bus.kv_values(S.KV_TINKER, "run.")).items():
+            with contextlib.suppress(msgspec.MsgspecError):
+                m = decode(value, TinkerRunMeta)
+                runs_meta[m.job_id] = m
+        for key, (value, _) in (await self.bus.kv_values(S.KV_TINKER, "ckpt.")).items():
+            with contextlib.suppress(msgspec.MsgspecError):
+                c = decode(value, TinkerCheckpointMeta)
+                saves_meta[(c.job_id, c.kind, c.name)] = c
+        return runs_meta, saves_meta
+
+    async def expire(self, now: float | None = None) -> list[str]:
+        """Delete the saves past their expiry (their objects and metadata) and the
+        metadata of runs whose job record is gone. Returns the tinker paths deleted."""
+        now = time.time() if now is None else now
+        kv = await self.bus.kv(S.KV_TINKER)
+        runs_meta, saves_meta = await self._metas()
+        jobs = set((await self.bus.kv_values(S.KV_JOBS)).keys()) if runs_meta or saves_meta else set()
+        out = []
+        for (job_id, kind, name), m in saves_meta.items():
+            if m.expires_s and m.expires_s <= now:
+                await self.bus.delete_object(*object_of_checkpoint(job_id, f"{kind}/{name}"))
+                out.append(wire.save_path(wire.model_of_job(job_id), kind, name))
+            elif job_id in jobs:
+                continue
+            with contextlib.suppress(KeyNotFoundError):
+                await kv.purge(checkpoint_key(job_id, kind, name))
+        for job_id in set(runs_meta) - jobs:
+            with contextlib.suppress(KeyNotFoundError):
+                await kv.purge(run_key(job_id))
+        return out
+
     async def _checkpoints(self, jobs: set[str]) -> list[Checkpoint]:
         """The checkpoints of the model jobs `jobs`, newest first."""
         out: list[Checkpoint] = []
         if not jobs:
             return out
+        _, saves_meta = await self._metas()
         for bucket in (S.OBJ_CHECKPOINTS, S.OBJ_WEIGHTS):
             try:
                 infos = await asyncio.wait_for((await self.bus.objects(bucket)).list(ignore_deletes=True),
@@ -216,7 +309,7 @@ class Runs:
             for info in infos:
                 got = checkpoint_of_object(bucket, info.name)
                 if got is not None and got[0] in jobs:
-                    out.append(checkpoint(*got, info.size, info.mtime))
+                    out.append(checkpoint(*got, info.size, info.mtime, saves_meta.get(got)))
         return sorted(out, key=lambda c: (c.time, c.tinker_path), reverse=True)
 
     async def _active(self) -> dict[str, float]:
@@ -235,11 +328,39 @@ class Runs:
             return []
         ckpts = await self._checkpoints({r.job_id for r in recs})
         active = await self._active()
+        runs_meta, _ = await self._metas()
         by_run: dict[str, list[Checkpoint]] = {}
         for c in ckpts:
             by_run.setdefault(wire.parse_save_path(c.tinker_path)[0], []).append(c)
         return [training_run(r, by_run.get(wire.model_of_job(r.job_id), []),
-                             active.get(wire.session_of_job(r.job_id), 0.0)) for r in recs]
+                             active.get(wire.session_of_job(r.job_id), 0.0), runs_meta.get(r.job_id)) for r in recs]
+
+    async def session_ids(self, user: str, limit: int, offset: int) -> list[str]:
+        """A page of `user`'s Tinker session ids, newest first (the REST client's list_sessions)."""
+        mine = []
+        for key, (value, _) in (await self.bus.kv_values(S.KV_TINKER)).items():
+            if wire.SESSION_RE.match(key):
+                with contextlib.suppress(msgspec.MsgspecError):
+                    s = decode(value, TinkerSession)
+                    if s.user == user:
+                        mine.append((s.created_s, key))
+        return [key for _, key in sorted(mine, reverse=True)[offset:offset + limit]]
+
+    async def session_info(self, user: str, session_id: str) -> dict:
+        """tinker.types.GetSessionResponse of `user`'s session: its training runs and
+        sampling sessions, its user_metadata and display name. ApiError 404 for another's."""
+        missing = ApiError(404, f"no session {session_id[:40]!r}")
+        if not wire.SESSION_RE.match(session_id):
+            raise missing
+        try:
+            s = decode((await (await self.bus.kv(S.KV_TINKER)).get(session_id)).value, TinkerSession)
+        except (KeyNotFoundError, msgspec.MsgspecError):
+            raise missing from None
+        if s.user != user:
+            raise missing
+        return {"training_run_ids": [wire.model_id(session_id, n) for n in range(s.models)],
+                "sampler_ids": [wire.sampler_job(session_id, n) for n in range(s.samplers)],
+                "user_metadata": s.user_metadata or None, "display_name": s.display_name or None}
 
     async def list_runs(self, user: str, limit: int, offset: int) -> dict:
         """tinker.types.TrainingRunsResponse: a page of `user`'s training runs."""
@@ -279,8 +400,11 @@ class Runs:
     async def delete_checkpoint(self, user: str, run_id: str, checkpoint_id: str) -> None:
         """Delete checkpoint `checkpoint_id` of `user`'s run `run_id` (its object: the
         store space is the user's again). Raises ApiError 404 for none such."""
-        _, bucket, name = await self._object(user, run_id, checkpoint_id)
+        rec, bucket, name = await self._object(user, run_id, checkpoint_id)
         await self.bus.delete_object(bucket, name)
+        kind, _, save = checkpoint_id.partition("/")
+        with contextlib.suppress(KeyNotFoundError):
+            await (await self.bus.kv(S.KV_TINKER)).purge(checkpoint_key(rec.job_id, kind, save))
 
     async def weights_info(self, user: str, tinker_path: str) -> dict:
         """tinker.types.WeightsInfoResponse of the save at `tinker_path`, one of `user`'s.

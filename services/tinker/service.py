@@ -7,12 +7,13 @@ Nothing here trains or holds model state: a restarted service picks up every ses
 and future from the bus.
 
 Reads:  KV `ot_jobs` (a model's owner and state), `ot_users` / `ot_keys` (API keys),
-        `ot_tinker` (sessions); `ot.job.<id>.results.<seq>` (OT_TINKER, by direct get);
+        `ot_tinker` (sessions, run and save metadata), `ot_tinker_seqs` (recorded samples);
+        `ot.job.<id>.results.<seq>` (OT_TINKER, by direct get);
         the object stores `ot_checkpoints` / `ot_weights` (a model's saves, runs.py).
 Writes: `ot.ctl.submit` (request/reply: a model's job, as the user); `ot.job.<id>.ops.<seq>`
-        and `.ops.close` (OT_TINKER); KV `ot_tinker`. Purges retrieved futures'
-        messages from OT_TINKER (sessions.py); deletes a save's object when its
-        owner deletes the checkpoint (runs.py).
+        and `.ops.close` (OT_TINKER); KV `ot_tinker`, `ot_tinker_seqs` (records.py).
+        Purges retrieved futures' messages from OT_TINKER (sessions.py); deletes a
+        save's object when its owner deletes the checkpoint or its ttl passes (runs.py).
 Listens: http://<tinker_host>:<tinker_port>/api/v1 (X-API-Key authenticated; loopback
         by default).
 
@@ -27,6 +28,7 @@ import asyncio
 import json
 import os
 import logging
+import time
 from pathlib import Path
 
 from opentinker.services.core.bus import Bus
@@ -34,7 +36,8 @@ from opentinker.services.core.config import Settings
 from opentinker.services.core.http import serve_http
 from opentinker.services.core.runner import run_service
 from opentinker.services.tinker.api import make_app
-from opentinker.services.tinker.sessions import SESSION_TTL_S, Gateway
+from opentinker.services.tinker.runs import EXPIRE_EVERY_S, Runs
+from opentinker.services.tinker.sessions import Gateway
 
 log = logging.getLogger("opentinker.tinker")
 
@@ -47,24 +50,36 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
         admin_key = Path(os.environ["OPENTINKER_ADMIN_KEY_FILE"]).read_text().strip()
     gw = Gateway(bus, settings.home, admin_key=admin_key or os.environ.get("OPENTINKER_ADMIN_KEY", ""),
                  settings=settings)
-    server = await serve_http(make_app(gw), settings.tinker_host, settings.tinker_port)
+    runs = Runs(bus)
+    server = await serve_http(make_app(gw, runs), settings.tinker_host, settings.tinker_port)
     url = f"http://{settings.tinker_host}:{server.port}"
     (Path(settings.home) / "tinker.json").write_text(json.dumps({"base_url": url}))
     log.info("Tinker API on %s (TINKER_BASE_URL)", url)
+    next_expiry = 0.0
     try:
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), min(SESSION_TTL_S, settings.tinker_session_idle_s) / 10)
+                await asyncio.wait_for(stop.wait(), reap_every_s(settings))
             except TimeoutError:
                 try:
                     reaped = await gw.reap()
+                    expired = []
+                    if time.monotonic() >= next_expiry:
+                        expired, next_expiry = await runs.expire(), time.monotonic() + EXPIRE_EVERY_S
                 except Exception:  # the bus blinked: the next round tries again
                     log.exception("reaping sessions failed")
                     continue
                 if reaped:
                     log.info("finished %d sessions and jobs: %s", len(reaped), ", ".join(reaped))
+                if expired:
+                    log.info("deleted %d saves past their ttl_seconds: %s", len(expired), ", ".join(expired))
     finally:
         await server.stop()
+
+
+def reap_every_s(settings: Settings) -> float:
+    """How often sessions are reaped: a tenth of the shortest of their limits, 1 s to 30 s."""
+    return min(30.0, max(1.0, min(settings.tinker_heartbeat_timeout_s, settings.tinker_session_idle_s) / 10))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,9 +10,10 @@ answered as if it did not exist (404).
 What one user may hold (Settings; each refusal is a 429 naming the setting, which the
 SDK retries with backoff):
 - A session is finished as if its client had closed it (its models' learners export
-  their policy and complete, its sampling job ends) when its heartbeats stop for
-  SESSION_TTL_S, after `tinker_session_idle_s` without an operation or sample, and
-  `tinker_session_max_s` after it began. A tinker job that belongs to no open session
+  their policy and complete, its sampling job ends, its records go) when its heartbeats
+  stop for `tinker_heartbeat_timeout_s` (a script that exits without closing it), after
+  `tinker_session_idle_s` without an operation or sample, and `tinker_session_max_s`
+  after it began. A tinker job that belongs to no open session
   (one submitted over the REST API, or whose session finished) is closed the same way.
 - `tinker_inflight_per_user` / `tinker_inflight_bytes_per_user`: the operations and
   samples sent whose futures are not yet retrieved. A retrieved future's messages are
@@ -47,11 +48,10 @@ from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
 from opentinker.services.core.models import DEFAULT_MODEL, resolve_model
 from opentinker.services.core.users import Users
-from opentinker.services.tinker import wire
+from opentinker.services.tinker import provenance, records, wire
 
 log = logging.getLogger("opentinker.tinker")
 
-SESSION_TTL_S = 300.0     # no heartbeat this long (the SDK beats every 10 s): finished
 POLL_S = 25.0             # a retrieve_future waits this long before "try again" (SDK timeout 45 s)
 RECORD_EVERY_S = 2.0      # a waiting retrieve_future looks at its job's record this often
 ACTIVE_EVERY_S = 30.0     # a session's `active_s` is written at most this often
@@ -91,6 +91,7 @@ class Gateway:
         self._active: dict[str, float] = {}  # session id -> the `active_s` last written
         self._purges: list[tuple[float, str]] = []  # (when, OT_TINKER subject filter) to purge
         self._closed: set[str] = set()  # tinker jobs the reaper sent a close (once per process)
+        self.records = records.Records(bus, self.limits)
 
     # -- what one user holds (module docstring) --------------------------------------
 
@@ -177,9 +178,11 @@ class Gateway:
         else:
             await kv.update(s.session_id, encode(s), last=revision)
 
-    async def create_session(self, user: str) -> str:
+    async def create_session(self, user: str, user_metadata: dict[str, str] | None = None, display_name="") -> str:
+        """A new session of `user`, with its (checked: wire.check_metadata) user_metadata."""
         now = time.time()
-        s = TinkerSession(session_id=wire.new_session_id(), user=user, created_s=now, heartbeat_s=now)
+        s = TinkerSession(session_id=wire.new_session_id(), user=user, created_s=now, heartbeat_s=now,
+                          user_metadata=user_metadata or {}, display_name=display_name)
         await self._put(s, None)
         log.info("session %s of %r", s.session_id, user)
         return s.session_id
@@ -207,6 +210,7 @@ class Gateway:
         mine = self._inflight.get(s.user, {})
         for rid in [r for r in mine if wire.session_of_job(r) == s.session_id]:
             del mine[rid]
+        await self.records.drop_session(s.session_id)
         self._active.pop(s.session_id, None)
         later = time.time() + RETRIEVED_KEPT_S
         # its results (a learner purges its job's ops as it ends: a close must stay until read)
@@ -228,7 +232,7 @@ class Gateway:
         log.info("session %s finished (%d models, %d sampling sessions)", s.session_id, s.models, s.samplers)
 
     async def reap(self, now: float | None = None) -> list[str]:
-        """Finish the sessions with no heartbeat for SESSION_TTL_S, none of whose
+        """Finish the sessions with no heartbeat for tinker_heartbeat_timeout_s, none of whose
         operations or samples came for `tinker_session_idle_s`, or begun over
         `tinker_session_max_s` ago; close the tinker jobs of no open session. Returns
         the ids of the sessions and jobs ended."""
@@ -256,7 +260,8 @@ class Gateway:
                 continue
             if s.finished_s:
                 continue
-            why = ("no heartbeat for %.0f s" % (now - s.heartbeat_s) if now - s.heartbeat_s > SESSION_TTL_S else
+            why = ("no heartbeat for %.0f s" % (now - s.heartbeat_s)
+                   if now - s.heartbeat_s > lim.tinker_heartbeat_timeout_s else
                    "idle for %.0f s (tinker_session_idle_s)" % (now - max(s.active_s, s.created_s))
                    if now - max(s.active_s, s.created_s) > lim.tinker_session_idle_s else
                    "open for %.0f s (tinker_session_max_s)" % (now - s.created_s)
@@ -464,12 +469,13 @@ class Gateway:
         rec = await self._sampler(user, sid)
         return {"sampler_id": sid, "base_model": rec.base_model, "model_path": rec.model_path or None}
 
-    async def sample(self, user: str, req: TinkerSample) -> str:
+    async def sample(self, user: str, req: TinkerSample, record: bool = False) -> tuple[str, list[str]]:
         """Send `req` (for sampling session `req.sampler`) to the rollout worker of the
         session's inference job, waiting up to PLACEMENT_WAIT_S for its placement (one of
-        the user's tinker_polls_per_user waits). Returns the future's request id. Raises
-        ApiError: 404 for another's sampling session, 410 for an ended sampling job, 429
-        while it is still queued (the SDK retries) or over the user's in-flight limits."""
+        the user's tinker_polls_per_user waits); recorded with `record` (records.py).
+        Returns the future's request id and its sequences' ids. Raises ApiError: 404 for
+        another's sampling session, 410 for an ended sampling job, 429 while it is still
+        queued (the SDK retries) or over the user's in-flight limits."""
         rec = await self._sampler(user, req.sampler)
         job_id = wire.sampling_job(rec.session_id)
         deadline = time.monotonic() + PLACEMENT_WAIT_S
@@ -488,12 +494,12 @@ class Gateway:
         rid = wire.request_id(req.sampler, req.seq_id)
         self._admit(user, rid, len(encode(req)))
         await self._touch(user, rec.session_id)
+        if record:
+            req = msgspec.structs.replace(req, record_key=await self.records.start(rid, rec, req.tokens))
+        ids = provenance.sequence_ids(req.record_key or rid, req.num_samples)
         await self.bus.publish(S.rollout(job_id, job.placement.rollout[0]), req,
                                msg_id=f"{req.sampler}:sample{req.seq_id}")
-        return rid
-
-    def known_models(self) -> list[str]:
-        return [DEFAULT_MODEL]
+        return rid, ids
 
     # -- operations and futures ---------------------------------------------------
 
@@ -566,6 +572,7 @@ class Gateway:
             return {"error": f"the result does not decode ({e})", "category": "server"}
         if isinstance(got, TinkerSamples):
             samples = got
+            await self.records.finish(samples, wire.session_of_job(job_id))
             if samples.error:
                 return {"error": samples.error, "category": samples.category}
             return wire.sample_response(samples)

@@ -18,11 +18,15 @@ from __future__ import annotations
 import math
 import re
 import secrets
+from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 
-from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKENS,
-                                       MAX_TINKER_DATUMS, TinkerDatum, TinkerResult, TinkerTensor)
+from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, MAX_DISPLAY_NAME_CHARS, MAX_METADATA_BYTES,
+                                       MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS,
+                                       MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKENS, MAX_TINKER_DATUMS,
+                                       RECORDED_INPUTS, TinkerDatum, TinkerResult, TinkerTensor)
 
 SESSION_RE = re.compile(r"^ts-[0-9a-f]{10}$")
 MODEL_RE = re.compile(r"^(ts-[0-9a-f]{10}):train:(\d{1,6})$")
@@ -34,10 +38,61 @@ MAX_TOKENS_PER_DATUM = 131_072
 # elements of one loss_fn input, declared shape included (a CSR tensor of a few bytes may
 # declare any shape, and is made dense here): 2**24 float32s are 64 MiB
 MAX_TENSOR_ELEMENTS = 2**24
+# provenance runs of one datum field (a run covers >= 0 positions: the bound keeps a
+# request of empty runs from costing more than its tokens)
+MAX_SPANS_PER_FIELD = 4096
+MAX_SEQUENCE_ID_CHARS = 128
+# a checkpoint's ttl_seconds, as Tinker's SDK documents it: 1 hour to 10 years
+MIN_TTL_S = 3600
+MAX_TTL_S = 10 * 365 * 86400
+
+
+class Span(NamedTuple):
+    """One provenance run of a datum field (the SDK's PromptProvenanceSpan, kind
+    "prompt", or SampledProvenanceSpan, kind "sampled"): the field's next `length`
+    positions are positions [offset, offset + length) of the prompt, or of the sampled
+    tokens, of sequence `sequence_id`."""
+
+    kind: str
+    sequence_id: str
+    offset: int
+    length: int
+
+
+class Provenance(NamedTuple):
+    """A datum's provenance: the runs tiling its model input, and those tiling its
+    target_tokens (Datum.model_input_spans, Datum.loss_fn_input_spans)."""
+
+    inputs: list[Span]
+    targets: list[Span]
+
+
+class ForwardBackward(NamedTuple):
+    """A parsed ForwardBackwardRequest; provenance[i] is datum i's, or None."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    config: dict[str, float | str]
+    forward_only: bool
+    data: list[TinkerDatum]
+    provenance: list[Provenance | None]
 
 
 class WireError(ValueError):
     """A request body or name the API cannot take; the message names the field."""
+
+
+class OpRefused(WireError):
+    """A forward(_backward) request whose model and seq_id decoded but whose content
+    cannot be taken: the API sends the op with this error, so that it takes its place
+    in the model's seq_id order and fails its own future (a 400 instead would leave the
+    learner waiting for that seq_id, and every later op of the model with it)."""
+
+    def __init__(self, message: str, model_id: str, seq_id: int):
+        super().__init__(message)
+        self.model_id = model_id
+        self.seq_id = seq_id
 
 
 def new_session_id() -> str:
@@ -170,11 +225,35 @@ def _tensor(t, name: str) -> TinkerTensor:
                         data=np.ascontiguousarray(a).tobytes())
 
 
-def parse_forward_backward(body: bytes, content_encoding: str = ""):
-    """A ForwardBackwardRequest body (zstd-compressed when `content_encoding` says so).
-    Returns (model_id, seq_id, loss_fn, loss_fn_config, forward_only, data). Raises
-    WireError for an undecodable body, image or audio inputs, too many datums or
-    tokens."""
+def _spans(runs, field: str) -> list[Span]:
+    """The Spans of a repeated tinker_public.ProvenanceSpan. Raises WireError naming
+    `field` for over MAX_SPANS_PER_FIELD runs, a run of neither kind, a negative
+    offset or length, or an empty or over-long sequence id."""
+    if len(runs) > MAX_SPANS_PER_FIELD:
+        raise WireError(f"{field}: {len(runs)} runs (at most {MAX_SPANS_PER_FIELD})")
+    out = []
+    for j, run in enumerate(runs):
+        kind = run.WhichOneof("span")
+        if kind is None:
+            raise WireError(f"{field}[{j}]: neither prompt_tokens nor sampled_tokens")
+        arm = getattr(run, kind)
+        if not 0 < len(arm.sequence_id) <= MAX_SEQUENCE_ID_CHARS:
+            raise WireError(f"{field}[{j}].sequence_id: {len(arm.sequence_id)} characters "
+                            f"(1 to {MAX_SEQUENCE_ID_CHARS})")
+        if arm.offset < 0 or arm.length < 0:
+            raise WireError(f"{field}[{j}]: offset {arm.offset} and length {arm.length} must be >= 0")
+        out.append(Span("prompt" if kind == "prompt_tokens" else "sampled", arm.sequence_id, int(arm.offset),
+                        int(arm.length)))
+    return out
+
+
+def parse_forward_backward(body: bytes, content_encoding: str = "") -> ForwardBackward:
+    """A ForwardBackwardRequest body (zstd-compressed when `content_encoding` says so),
+    with each datum's provenance (checked against the records only for a loss that
+    reads them: provenance.py). Raises WireError for an undecodable body or a seq_id
+    below 1; OpRefused (a WireError) for image or audio inputs, too many datums, tokens
+    or provenance runs, or a loss_fn_inputs key the server reserves
+    (schemas.tinker.RECORDED_INPUTS)."""
     from google.protobuf.message import DecodeError
 
     pb = _pb()
@@ -190,14 +269,21 @@ def parse_forward_backward(body: bytes, content_encoding: str = ""):
         req.ParseFromString(body)
     except DecodeError as e:
         raise WireError(f"body: not a tinker_public.ForwardBackwardRequest ({e})") from None
-    if len(req.data) > MAX_TINKER_DATUMS:
-        raise WireError(f"data: {len(req.data)} datums (at most {MAX_TINKER_DATUMS} per request)")
     if req.seq_id < 1:
         raise WireError(f"seq_id: {req.seq_id} (from 1)")
+    try:
+        return _parsed(req)
+    except WireError as e:  # the request's place in the order is known: it fails there
+        raise OpRefused(str(e), req.model_id, int(req.seq_id)) from None
+
+
+def _parsed(req) -> ForwardBackward:
+    if len(req.data) > MAX_TINKER_DATUMS:
+        raise WireError(f"data: {len(req.data)} datums (at most {MAX_TINKER_DATUMS} per request)")
     config: dict[str, float | str] = dict(req.loss_fn_config)
     for k, v in req.loss_fn_config_v2.items():
         config[k] = v.number if v.WhichOneof("value") == "number" else v.text
-    data = []
+    data, provenance = [], []
     for i, d in enumerate(req.data):
         tokens = []
         for c in d.model_input:
@@ -208,9 +294,17 @@ def parse_forward_backward(body: bytes, content_encoding: str = ""):
         ids = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
         if len(ids) > MAX_TOKENS_PER_DATUM or (len(ids) and ids.min() < 0):
             raise WireError(f"data[{i}].model_input: {len(ids)} tokens (at most {MAX_TOKENS_PER_DATUM}, ids >= 0)")
+        reserved = sorted(set(d.loss_fn_inputs) & set(RECORDED_INPUTS))
+        if reserved:
+            raise WireError(f"data[{i}].loss_fn_inputs[{reserved[0]!r}]: the server's own (from what it recorded "
+                            "when sampling); send provenance instead")
         inputs = {k: _tensor(v, f"data[{i}].loss_fn_inputs[{k!r}]") for k, v in d.loss_fn_inputs.items()}
         data.append(TinkerDatum(tokens=ids.tolist(), inputs=inputs))
-    return req.model_id, int(req.seq_id), req.loss_fn, config, bool(req.forward_only), data
+        runs = (_spans(d.model_input_spans, f"data[{i}].model_input_spans"),
+                _spans(d.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans"))
+        provenance.append(Provenance(*runs) if any(runs) else None)
+    return ForwardBackward(req.model_id, int(req.seq_id), req.loss_fn, config, bool(req.forward_only), data,
+                           provenance)
 
 
 def forward_backward_output(r: TinkerResult) -> bytes:
@@ -232,7 +326,8 @@ def forward_backward_output(r: TinkerResult) -> bytes:
 
 def sample_response(r) -> bytes:
     """The serialized tinker_public.SampleResponse of a TinkerSamples: per sequence its
-    int32 tokens, float32 logprobs and stop reason; the prompt logprobs (NaN first)."""
+    int32 tokens, float32 logprobs and stop reason; the prompt logprobs (NaN first); the
+    top-k prompt logprobs (a TopkLogprobs of the prompt's length by k)."""
     pb = _pb()
     out = pb.SampleResponse()
     for s in r.sequences:
@@ -241,6 +336,9 @@ def sample_response(r) -> bytes:
         seq.logprobs = np.asarray(s.logprobs, "<f4").tobytes()
     if r.prompt_logprobs:
         out.prompt_logprobs = np.asarray(r.prompt_logprobs, "<f4").tobytes()
+    if r.topk_k:
+        out.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(token_ids=r.topk_ids, logprobs=r.topk_logprobs, k=r.topk_k,
+                                                          length=len(r.topk_ids) // (4 * r.topk_k)))
     return out.SerializeToString()
 
 
@@ -267,3 +365,53 @@ def stops(stop) -> tuple[list[int], list[str]]:
                             f"(at most {MAX_STOP_STRING_CHARS})")
         return [], list(stop)
     raise WireError("sampling_params.stop: a string, a list of strings or a list of token ids")
+
+
+# -- user metadata and checkpoint ttls ----------------------------------------------
+
+def check_metadata(md: Any, field: str = "user_metadata") -> dict[str, str]:
+    """`md` (None: {}) as user_metadata: at most MAX_METADATA_KEYS string keys of 1 to
+    MAX_METADATA_KEY_CHARS characters, string values (numbers and booleans are taken as
+    their JSON text) of at most MAX_METADATA_VALUE_CHARS, MAX_METADATA_BYTES in all as
+    JSON. Raises WireError naming `field` otherwise."""
+    if md is None:
+        return {}
+    if not isinstance(md, dict):
+        raise WireError(f"{field}: an object of strings, got {type(md).__name__}")
+    if len(md) > MAX_METADATA_KEYS:
+        raise WireError(f"{field}: {len(md)} keys (at most {MAX_METADATA_KEYS})")
+    out = {}
+    for k, v in md.items():
+        if not isinstance(k, str) or not 0 < len(k) <= MAX_METADATA_KEY_CHARS:
+            raise WireError(f"{field}: a key of 1 to {MAX_METADATA_KEY_CHARS} characters, got {str(k)[:40]!r}")
+        if isinstance(v, (bool, int, float)):
+            v = msgspec.json.encode(v).decode()
+        if not isinstance(v, str) or len(v) > MAX_METADATA_VALUE_CHARS:
+            raise WireError(f"{field}[{k[:40]!r}]: a string of at most {MAX_METADATA_VALUE_CHARS} characters")
+        out[k] = v
+    if len(msgspec.json.encode(out)) > MAX_METADATA_BYTES:
+        raise WireError(f"{field}: over {MAX_METADATA_BYTES} bytes as JSON")
+    return out
+
+
+def check_display_name(name: Any) -> str:
+    """A session's display_name (None: ""); raises WireError for a non-string or one over
+    MAX_DISPLAY_NAME_CHARS characters."""
+    if name is None:
+        return ""
+    if not isinstance(name, str) or len(name) > MAX_DISPLAY_NAME_CHARS:
+        raise WireError(f"display_name: a string of at most {MAX_DISPLAY_NAME_CHARS} characters")
+    return name
+
+
+def check_ttl(ttl_seconds: Any) -> int:
+    """A save's ttl_seconds (None: 0, never expires): a whole number of seconds from
+    MIN_TTL_S (1 hour) to MAX_TTL_S (10 years), the range Tinker's SDK documents.
+    Raises WireError otherwise."""
+    if ttl_seconds is None:
+        return 0
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) \
+            or not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        raise WireError(f"ttl_seconds: {str(ttl_seconds)[:40]} is not a whole number of seconds from {MIN_TTL_S} "
+                        f"(1 hour) to {MAX_TTL_S} (10 years); omit it for a save that never expires")
+    return ttl_seconds

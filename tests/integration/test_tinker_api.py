@@ -6,9 +6,15 @@ computation from the logprobs the server returns; a save_state / load_state roun
 trip; an RL loop (sample, score, importance-sampling step) whose reward rises; prompt
 logprobs and stop tokens; the REST client's listing of training runs and checkpoints;
 wrong keys refused; another tenant's models, futures, saves, runs and checkpoints
-unreachable; what is not served fails at once, naming itself."""
+unreachable; what is not served fails at once, naming itself; stable_reinforce on
+samples recorded with record_stability_info (its value against its formula, forged and
+foreign provenance refused); user metadata and ttl_seconds on runs and saves; a script
+that exits without closing its session frees its learner within the heartbeat timeout."""
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import httpx
@@ -35,20 +41,37 @@ def datum(tokens: list[int], **inputs) -> "tinker.Datum":
                         loss_fn_inputs={k: tinker.TensorData.from_numpy(v) for k, v in arrays.items()})
 
 
+async def start_stack(services, *tinker_args: str) -> str:
+    """The services (scheduler, learner, an hf rollout worker) and the tinker service
+    with `tinker_args`, started by `services`; the tinker service's base URL once healthy."""
+    port = free_port()
+    for name in ("scheduler", "learner"):
+        services.start(name)
+    services.start("rollout", "engine=hf")
+    services.start("tinker", f"tinker_port={port}", *tinker_args)
+    base = f"http://127.0.0.1:{port}"
+    await wait_http_ok(base + "/api/v1/healthz")
+    return base
+
+
+async def tenants(bus, job_id: str) -> dict[str, str]:
+    """alice and bob, users of the test's own: {who: key}."""
+    users = Users(bus)
+    keys = {}
+    for who in ("alice", "bob"):
+        name = f"{who}-{job_id[-6:]}"
+        await users.create_user(name)
+        keys[who] = "tml-" + (await users.create_key(name))[1]
+    return keys
+
+
 @pytest.fixture(scope="module")
 async def tinker_stack(nats_url, home, tmp_path_factory):
     """The module's one stack (its tests run one after another on the one learner, each
     closing its sessions): the tinker service's base URL and the stack's Services."""
     services = Services(nats_url, home, tmp_path_factory.mktemp("tinker-stack"))
-    port = free_port()
-    for name in ("scheduler", "learner"):
-        services.start(name)
-    services.start("rollout", "engine=hf")
-    services.start("tinker", f"tinker_port={port}")
-    base = f"http://127.0.0.1:{port}"
     try:
-        await wait_http_ok(base + "/api/v1/healthz")
-        yield base, services
+        yield await start_stack(services), services
     finally:
         services.stop_all()
 
@@ -61,14 +84,8 @@ def services(tinker_stack):
 
 @pytest.fixture
 async def stack(tinker_stack, bus, job_id):
-    """Two tenants of the test's own, alice and bob: (base URL, {name: key})."""
-    users = Users(bus)
-    keys = {}
-    for who in ("alice", "bob"):
-        name = f"{who}-{job_id[-6:]}"
-        await users.create_user(name)
-        keys[who] = "tml-" + (await users.create_key(name))[1]
-    return tinker_stack[0], keys
+    """The module stack's base URL and two tenants of the test's own: (base URL, {who: key})."""
+    return tinker_stack[0], await tenants(bus, job_id)
 
 
 async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, services, job_id):
@@ -114,7 +131,7 @@ async def test_the_official_sdk_trains_saves_and_loads(stack, smollm2, bus, serv
         assert got["dro"][0] == pytest.approx(-(now * adv - 0.05 * (now - q) ** 2).sum(), rel=1e-4)
 
         # a bad request fails its own future, naming the fault; the session goes on
-        with pytest.raises(tinker.RequestFailedError, match="stable_reinforce"):
+        with pytest.raises(tinker.RequestFailedError, match="needs provenance"):
             tc.forward(rl, "stable_reinforce").result()
         with pytest.raises(tinker.RequestFailedError, match="beta"):
             tc.forward(rl, "dro").result()
@@ -368,7 +385,10 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
         # what the cookbook's on-policy distillation asks of a teacher: the logprobs of a sequence
         scored = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt)).result()
         suffix = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt), prompt_logprobs_last_n=3).result()
-        scored = (scored, suffix)
+        # what the cookbook's self-distillation (distillation/sdft.py) asks: top-k prompt logprobs
+        topk = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=1, include_prompt_logprobs=True,
+                                   topk_prompt_logprobs=3, sampling_params=tinker.SamplingParams(max_tokens=1)).result()
+        scored = (scored, suffix, topk)
         return rewards, base_rate, one, len(prompt), oov, top1, scored
 
     rewards, base_rate, one, n_prompt, oov, top1, scored = await asyncio.to_thread(run_sdk, base, keys["alice"],
@@ -382,8 +402,189 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
     assert all(s.logprobs is not None and len(s.logprobs) == len(s.tokens) for s in one.sequences)
     assert len(one.prompt_logprobs) == n_prompt and one.prompt_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in one.prompt_logprobs[1:])
-    scored, suffix = scored
+    scored, suffix, topk = scored
     assert scored == pytest.approx(one.prompt_logprobs, abs=1e-4)
+    assert topk.topk_prompt_logprobs[0] is None and len(topk.topk_prompt_logprobs) == n_prompt
+    for row, lp in zip(topk.topk_prompt_logprobs[1:], scored[1:]):
+        assert len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1] and row[0][1] >= lp - 1e-4
     assert all(x is None for x in suffix[:-3]) and suffix[-3:] == pytest.approx(scored[-3:], abs=1e-4)
     assert len({tuple(s.tokens) for s in top1.sequences}) == 1
     assert all(lp == pytest.approx(0.0, abs=1e-4) for s in top1.sequences for lp in s.logprobs)
+
+
+def provenance_datum(prompt: list[int], seq, advantage: float, sid: str | None = None) -> "tinker.Datum":
+    """The cookbook's rl_loop datum for stable_reinforce: rl_datum with provenance naming
+    the sampled sequence (its with_sampled_provenance)."""
+    sid = sid or seq.sequence_id
+    return rl_datum(prompt, seq, advantage).with_provenance(
+        model_input=[tinker.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+                     tinker.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens) - 1)],
+        loss_fn_inputs=[tinker.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
+                        tinker.SampledProvenanceSpan(sequence_id=sid, length=len(seq.tokens))])
+
+
+async def test_stable_reinforce_trains_on_recorded_samples_and_refuses_forged_or_foreign_provenance(
+        stack, tiny_model, bus, job_id):
+    base, keys = stack
+
+    def first(sc):
+        tc = sc.create_lora_training_client(base_model=tiny_model, rank=4, seed=0,
+                                            user_metadata={"recipe_name": "rl_loop", "renderer_name": "role_colon"}
+                                            ).result()
+        sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        prompt = list(range(100, 110))
+        res = sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=4,
+                             sampling_params=tinker.SamplingParams(max_tokens=5, temperature=1.0)).result()
+        adv = [1.0, -1.0, 0.5, -0.5]
+        data = [provenance_datum(prompt, s, a) for s, a in zip(res.sequences, adv)]
+        out = tc.forward_backward(data, "stable_reinforce").result()
+        tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
+        # forged: a sampled token that is not the one recorded; a datum without provenance
+        forged = [provenance_datum(prompt, type(s)(stop_reason=s.stop_reason, sequence_id=s.sequence_id,
+                                                   _tokens_list=[t + 1 for t in s.tokens],
+                                                   _logprobs_list=s.logprobs), 1.0) for s in res.sequences[:1]]
+        with pytest.raises(tinker.RequestFailedError, match=r"data\[0\]\.model_input_spans\[1\]: model_input\[10\]"):
+            tc.forward_backward(forged, "stable_reinforce").result()
+        with pytest.raises(tinker.RequestFailedError, match=r"data\[0\]: loss_fn 'stable_reinforce' needs provenance"):
+            tc.forward_backward([rl_datum(prompt, res.sequences[0], 1.0)], "stable_reinforce").result()
+        # a sequence sampled without record_stability_info is not recorded
+        plain = tc.save_weights_and_get_sampling_client().result()
+        unrecorded = plain.sample(tinker.ModelInput.from_ints(prompt), num_samples=1,
+                                  sampling_params=tinker.SamplingParams(max_tokens=3)).result().sequences[0]
+        with pytest.raises(tinker.RequestFailedError, match="is not a sequence id of this server"):
+            tc.forward_backward([provenance_datum(prompt, unrecorded, 1.0)], "stable_reinforce").result()
+        # a save's ttl_seconds and user_metadata: kept, listed; out of bounds: refused
+        path = tc.save_state("short-lived", ttl_seconds=3600, user_metadata={"step": "1"}).result().path
+        for ttl in (-1, 0, 59, 10**12):
+            with pytest.raises(tinker.RequestFailedError, match="ttl_seconds"):
+                tc.save_state("bad-ttl", ttl_seconds=ttl).result()
+        with pytest.raises(tinker.RequestFailedError, match="user_metadata: 33 keys"):
+            tc.save_state("bad-md", user_metadata={f"k{i}": "v" for i in range(33)}).result()
+        with pytest.raises(tinker.RequestFailedError, match="user_metadata"):
+            tc.save_state("bad-md", user_metadata={"k": "v" * 100_000}).result()
+        return out, res, prompt, adv, tc.model_id, path
+
+    out, res, prompt, adv, mid, path = await asyncio.to_thread(run_sdk, base, keys["alice"], first)
+    session = mid.split(":")[0]
+    ids = [s.sequence_id for s in res.sequences]
+    assert len(set(ids)) == 4 and all(i.startswith(f"{session}.") and len(i.split(".")[1]) == 32 for i in ids)
+    # the loss: -sum over sampled tokens of M sg(min(r, 2)) A lp, r against the recorded
+    # sampler logprobs, M = 0 for a sequence whose geometric-mean ratio leaves [0.9, 1.1]
+    expected = 0.0
+    for s, a, o in zip(res.sequences, adv, out.loss_fn_outputs):
+        lp = o["logprobs"].to_numpy()[len(prompt) - 1:].astype(np.float64)
+        log_r = lp - np.asarray(s.logprobs)
+        if 0.9 <= np.exp(log_r.mean()) <= 1.1:
+            expected -= (np.minimum(np.exp(log_r), 2.0) * a * lp).sum()
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    assert out.metrics["active_tokens:sum"] == sum(len(s.tokens) for s in res.sequences)
+    # the session finished: its records are deleted
+    for _ in range(50):
+        if not await bus.kv_values(S.KV_TINKER_SEQS, f"{session}."):
+            break
+        await asyncio.sleep(0.2)
+    assert not await bus.kv_values(S.KV_TINKER_SEQS, f"{session}.")
+
+    def listing(rc):
+        return rc.get_training_run(mid).result(), rc.list_checkpoints(mid).result()
+
+    run, ckpts = await asyncio.to_thread(run_rest, base, keys["alice"], listing)
+    assert run.user_metadata == {"recipe_name": "rl_loop", "renderer_name": "role_colon"}
+    (ckpt,) = [c for c in ckpts.checkpoints if c.tinker_path == path]
+    assert ckpt.user_metadata == {"step": "1"} and 3590 < ckpt.expires_at.timestamp() - time.time() <= 3600
+
+    # a new session (a recipe resumed) names the old session's sequences: refused
+    def second(sc):
+        tc = sc.create_training_client_from_state(path).result()
+        with pytest.raises(tinker.RequestFailedError, match=r"model_input_spans\[0\]: .*is not one of this session's"):
+            tc.forward_backward([provenance_datum(prompt, res.sequences[0], 1.0)], "stable_reinforce").result()
+        with pytest.raises(tinker.RequestFailedError, match=r"\['recorded_logprobs'\]: the server's own"):
+            d = rl_datum(prompt, res.sequences[0], 1.0)
+            tc.forward_backward([tinker.Datum(model_input=d.model_input, loss_fn_inputs={
+                **d.loss_fn_inputs, "recorded_logprobs": np.zeros(d.model_input.length, np.float32)})],
+                "importance_sampling").result()
+
+    await asyncio.to_thread(run_sdk, base, keys["alice"], second)
+
+    # an hour on, the save is past its ttl: deleted, with its metadata
+    from opentinker.services.tinker.runs import Runs
+
+    assert path in await Runs(bus).expire(now=time.time() + 3601)
+    ckpts = await asyncio.to_thread(run_rest, base, keys["alice"], lambda rc: rc.list_checkpoints(mid).result())
+    assert path not in [c.tinker_path for c in ckpts.checkpoints]
+
+
+@pytest.fixture
+def own_services(nats_url, home, tmp_path):
+    """A stack of the test's own (not the module's), stopped after it."""
+    s = Services(nats_url, home, tmp_path)
+    yield s
+    s.stop_all()
+
+
+async def test_a_script_that_exits_without_closing_its_session_frees_its_learner(own_services, bus, job_id,
+                                                                                 tiny_model):
+    """A recipe that never closes its ServiceClient: the SDK stops beating when the
+    process exits and never finishes the session; the learner is free again within
+    tinker_heartbeat_timeout_s (here 15 s, above the SDK's 10 s beat; its own stack)."""
+    services = own_services
+    base = await start_stack(services, "tinker_heartbeat_timeout_s=15")
+    keys = await tenants(bus, job_id)
+    script = ("import os, tinker\n"
+              "sc = tinker.ServiceClient()\n"
+              "tc = sc.create_lora_training_client(base_model=os.environ['MODEL'], rank=4).result()\n"
+              "print(tc.model_id, flush=True)\n")
+    env = dict(os.environ, TINKER_BASE_URL=base, TINKER_API_KEY=keys["alice"], TINKER_TELEMETRY="0",
+               MODEL=tiny_model)
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], env=env, capture_output=True,
+                                  text=True, timeout=300)
+    exited = time.time()
+    assert out.returncode == 0, out.stderr[-2000:]
+    job = out.stdout.strip().splitlines()[-1].replace(":train:", "-m")
+    while True:
+        rec, _ = await bus.job_record(job)
+        if rec.state.terminal or time.time() - exited > 90:
+            break
+        await asyncio.sleep(0.5)
+    assert rec.state == JobState.COMPLETED, (rec.state, services.logs())
+    print(f"the learner was free {time.time() - exited:.1f} s after the script exited")
+    assert time.time() - exited < 15 + 30
+
+
+async def test_recorded_samples_are_bounded_per_session_oldest_first_and_deleted_with_it(bus):
+    """records.py on a real bus: a session past tinker_recorded_sequences_per_session loses
+    its oldest recorded samples (another session keeps its own), a second retrieval of a
+    result records nothing twice, and a finished session's records are deleted."""
+    import secrets
+
+    from opentinker.schemas.tinker import SampledSequence, TinkerSampler, TinkerSamples
+    from opentinker.services.core.config import Settings
+    from opentinker.services.tinker.records import Records
+
+    records = Records(bus, Settings(tinker_recorded_sequences_per_session=4))
+    sessions = [f"ts-{secrets.token_hex(5)}" for _ in range(2)]
+    seq = SampledSequence(tokens=[4, 5], logprobs=[-0.1, -0.2], stop_reason="stop")
+    keys: dict[str, list[str]] = {s: [] for s in sessions}
+    for i in range(3):
+        for s in sessions[:1] if i else sessions:
+            sampler = TinkerSampler(sampler_id=f"{s}-s0", session_id=s, user="u", base_model="m")
+            key = await records.start(f"{s}-s0.{i + 1}", sampler, [1, 2, 3])
+            assert await records.start(f"{s}-s0.{i + 1}", sampler, [1, 2, 3]) == key  # a resent sample
+            samples = TinkerSamples(sampler=sampler.sampler_id, seq_id=i + 1, sequences=[seq, seq], record_key=key)
+            await records.finish(samples, s)
+            await records.finish(samples, s)  # the result read back twice
+            keys[s].append(key)
+    first, other = sessions
+    # a result read for one session that echoes another session's record key records nothing
+    foreign = await records.start(f"{other}-s0.50", TinkerSampler(sampler_id=f"{other}-s0", session_id=other,
+                                                                 user="u", base_model="m"), [1])
+    await records.finish(TinkerSamples(sampler=f"{first}-s0", seq_id=50, sequences=[seq], record_key=foreign), first)
+    named = {f"{k}.{j}": (k, j) for ks in keys.values() for k in ks for j in range(2)}
+    got, _ = await records.load({**named, f"{foreign}.0": (foreign, 0)})
+    assert got[f"{foreign}.0"] is None
+    # six sequences of the first session, at most four kept: its first sample went
+    assert [got[f"{k}.0"] is not None for k in keys[first]] == [False, True, True]
+    assert got[f"{keys[other][0]}.1"].tokens == [4, 5] and got[f"{keys[other][0]}.1"].prompt == [1, 2, 3]
+    await records.drop_session(first)
+    got, _ = await records.load(named)
+    assert all(got[f"{k}.0"] is None for k in keys[first]) and got[f"{keys[other][0]}.0"] is not None

@@ -71,6 +71,12 @@ def test_reload_resets_prefix_cache(tiny_model, tmp_path):
     fresh_engine = VLLMEngine(str(modified))
     try:
         fresh = _scores(fresh_engine, prompt, prefixes)
+        # the Tinker API's topk_prompt_logprobs: the k most likely tokens at each position,
+        # most likely first, beside the same prompt logprobs (the first row empty)
+        lps, ids, top = fresh_engine.prompt_logprobs_topk(prompt[:40], 3)
+        assert lps[0] is None and torch.allclose(torch.tensor(lps[1:]), fresh[0][:39], atol=TOL)
+        assert ids.shape == (40, 3) and ids[0].tolist() == [0, 0, 0]
+        assert all(top[t, 0] >= top[t, 1] >= top[t, 2] and top[t, 0] >= lps[t] - TOL for t in range(1, 40))
     finally:
         del fresh_engine
         gc.collect()

@@ -73,3 +73,20 @@ def test_load_weights_in_place_by_hf_name(tiny_model):
     with pytest.raises(ValueError, match="no parameter"):
         eng.load_weights({"model.nope.weight": w})
     assert math.isfinite(eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].logprobs[0])
+
+
+def test_prompt_top_k_are_the_k_most_likely_tokens_most_likely_first_and_hold_the_prompt_logprobs(tiny_model):
+    from opentinker.schemas.tinker import TOPK_MASK_LOGPROB
+    from opentinker.services.rollout.engine_hf import HFEngine
+
+    eng = HFEngine(tiny_model, seed=0)
+    prompt = eng.tokenizer("The quick brown fox jumps", add_special_tokens=False)["input_ids"]
+    lps, ids, top = eng.prompt_logprobs_topk(prompt, 5)
+    assert lps[0] is None and lps[1:] == pytest.approx(eng.prompt_logprobs([prompt])[0][1:], abs=1e-5)
+    assert ids.shape == top.shape == (len(prompt), 5) and ids.dtype.name == "int32"
+    assert ids[0].tolist() == [0] * 5 and top[0].tolist() == [TOPK_MASK_LOGPROB] * 5
+    with torch.no_grad():
+        ref = eng.model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1).topk(5)
+    assert ids[1:].tolist() == ref.indices.tolist()
+    assert torch.allclose(torch.from_numpy(top[1:]), ref.values, atol=1e-5)
+    assert all((top[t, :-1] >= top[t, 1:]).all() and top[t, 0] >= lps[t] - 1e-6 for t in range(1, len(prompt)))

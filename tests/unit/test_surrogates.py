@@ -26,7 +26,7 @@ def case(a: float):
 
 def test_the_registry_the_job_spec_and_the_tinker_losses_name_the_same_surrogates():
     assert set(typing.get_args(Surrogate)) == set(surrogates.SURROGATES) == set(LOSS_FNS)
-    assert surrogates.CLIPPED == {"ppo", "gspo", "cispo"}
+    assert surrogates.CLIPPED == {"ppo", "gspo", "cispo", "stable_reinforce"}
     with pytest.raises(ValueError, match="surrogate must be one of"):
         surrogates.get("trpo")
     with pytest.raises(ValueError, match="registered twice"):
@@ -121,3 +121,19 @@ def test_a_spec_names_a_surrogate_and_the_loss_config_follows_it():
     assert LossConfig.from_spec(spec)[-2:] == ("dro", 0.05)
     with pytest.raises(msgspec.ValidationError, match="surrogate"):
         msgspec.convert({"surrogate": "trpo"}, JobSpec)
+
+
+def test_stable_reinforce_truncates_each_weight_and_masks_a_sequence_outside_its_trust_region():
+    # C = 1.2: the token of ratio 1.5 is weighted 1.2, never differentiated
+    logp, old, adv, mask = case(-2.0)
+    out = policy_loss(logp, old, adv, mask, LossConfig(surrogate="stable_reinforce", rollout_is_threshold=1.2))
+    w = [min(r, 1.2) for r in RATIOS]
+    lp = logp.detach()[0].tolist()
+    assert out.loss.item() == pytest.approx(sum(-c * -2.0 * x for c, x in zip(w, lp)) / 3, rel=1e-6)
+    out.loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([2.0 * c / 3 for c in w], rel=1e-5)
+    # its geometric-mean ratio 0.9967 leaves the trust region [0.999, 1.001]: nothing trains
+    logp, old, adv, mask = case(-2.0)
+    out = policy_loss(logp, old, adv, mask, LossConfig(surrogate="stable_reinforce", clip_low=1e-3, clip_high=1e-3))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and logp.grad[0].tolist() == [0.0, 0.0, 0.0]

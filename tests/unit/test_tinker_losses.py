@@ -171,7 +171,8 @@ def test_valid_requests_pass_the_front_end_check():
     n = 4
     tokens, floats = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.float32)
     for loss_fn in LOSS_FNS:
-        inputs = {key: tokens if key == "target_tokens" else floats for key in REQUIRED_INPUTS[loss_fn]}
+        inputs = {key: tokens if key in ("target_tokens", "recorded_sequence") else floats
+                  for key in REQUIRED_INPUTS[loss_fn]}
         config = {"beta": 0.05} if loss_fn == "dro" else {}
         assert check_inputs(loss_fn, inputs, n, config) is None
     per_token = {"clip_low_threshold": np.full(n, 0.5, np.float32), "clip_high_threshold": np.full(n, 1.5, np.float32)}
@@ -239,3 +240,33 @@ def test_front_end_refuses_bad_dtypes_and_values(key, value, message):
 def test_loss_input_error_is_a_value_error():
     with pytest.raises(ValueError):
         check_inputs("sft", {}, 0, None)
+
+
+def test_stable_reinforce_weighs_by_the_recorded_sampler_and_masks_a_sequence_off_its_trust_region():
+    # positions 0-1: prompt (no sampled sequence: nothing trains, whatever the advantage);
+    # 2-3: sequence 0, log ratios 0.8 and -0.7 (mean 0.05, inside [ln 0.9, ln 1.1]), the
+    # first weight e^0.8 = 2.23 truncated to C = 2; 4-5: sequence 1, log ratios 0.3 and
+    # 0.2 (geometric mean e^0.25 = 1.28 > 1.1): masked whole
+    lp = [-0.5, -0.6, -0.2, -1.7, -0.4, -0.3]
+    mu = [0.0, 0.0, -1.0, -1.0, -0.7, -0.5]
+    adv = [5.0, 5.0, 1.5, -2.0, 1.0, 1.0]
+    inputs = {"target_tokens": torch.arange(6), "advantages": torch.tensor(adv),
+              "recorded_logprobs": torch.tensor(mu), "recorded_sequence": torch.tensor([-1, -1, 0, 0, 1, 1]),
+              "logprobs": torch.tensor([9.0] * 6)}  # the client's: not read
+    loss, grad, metrics = loss_and_grad("stable_reinforce", inputs, lp=lp)
+    assert loss == approx(-(2.0 * 1.5 * -0.2 + e(-0.7) * -2.0 * -1.7))
+    assert grad == approx([0.0, 0.0, -2.0 * 1.5, -e(-0.7) * -2.0, 0.0, 0.0])
+    assert metrics["active_tokens"] == 4.0 and metrics["masked_tokens"] == 2.0
+    assert metrics["truncated_tokens"] == 1.0 and metrics["clipped_tokens"] == 3.0
+    assert metrics["ratio_mean"] == approx((e(0.8) + e(-0.7) + e(0.3) + e(0.2)) / 4)
+    # a wider trust region keeps sequence 1; a larger C keeps the first weight whole
+    loss, grad, _ = loss_and_grad("stable_reinforce", inputs, {"clip_high_threshold": 1.5, "is_threshold": 3.0},
+                                  lp=lp)
+    assert grad == approx([0.0, 0.0, -e(0.8) * 1.5, -e(-0.7) * -2.0, -e(0.3), -e(0.2)])
+    for config, message in (({"is_threshold": 0.5}, "is_threshold"), ({"clip_low_threshold": 2.0}, "exceeds"),
+                            ({"beta": 0.1}, "not accepted")):
+        with pytest.raises(LossInputError, match=message):
+            datum_loss("stable_reinforce", torch.tensor(lp), inputs, config)
+    bad = dict(inputs, recorded_sequence=np.array([-2, -1, 0, 0, 1, 1]))
+    with pytest.raises(LossInputError, match="sequence indices must be >= -1"):
+        check_inputs("stable_reinforce", {k: np.asarray(v) for k, v in bad.items()}, 6)

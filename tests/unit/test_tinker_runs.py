@@ -90,3 +90,20 @@ def test_what_the_routes_answer_parses_as_the_sdks_own_types():
     info = tinker.types.WeightsInfoResponse.model_validate(runs.weights_info(rec))
     assert (info.base_model, info.lora_rank, info.train_attn, info.train_mlp, info.train_unembed) == (
         "/models/smollm2", 8, True, False, False)
+
+
+def test_a_saves_expiry_and_metadata_and_a_runs_metadata_parse_as_the_sdks_types():
+    from opentinker.schemas.tinker import TinkerCheckpointMeta, TinkerRunMeta
+
+    meta = TinkerCheckpointMeta(job_id=JOB, user="alice", kind="weights", name="a.b..c", expires_s=1_800_000_000.0,
+                                user_metadata={"step": "2"})
+    c = runs.checkpoint(JOB, "weights", "a.b..c", 10, "2026-11-25T10:00:00", meta)
+    got = tinker.types.Checkpoint.model_validate(msgspec.to_builtins(c))
+    assert got.user_metadata == {"step": "2"} and got.expires_at.timestamp() == 1_800_000_000.0
+    bare = tinker.types.Checkpoint.model_validate(msgspec.to_builtins(runs.checkpoint(JOB, "weights", "x", 1, None)))
+    assert bare.user_metadata is None and bare.expires_at is None
+    rec = JobRecord(job_id=JOB, user="alice", spec=JobSpec(algorithm="tinker"), created_s=1.0)
+    run = runs.training_run(rec, [c], 0.0, TinkerRunMeta(job_id=JOB, user="alice", user_metadata={"r": "x"}))
+    assert tinker.types.TrainingRun.model_validate(msgspec.to_builtins(run)).user_metadata == {"r": "x"}
+    # a save name's dots cannot run together in a KV key: the name is in hex there
+    assert runs.checkpoint_key(JOB, "weights", "a.b..c") == f"ckpt.{JOB}.weights.{b'a.b..c'.hex()}"

@@ -41,10 +41,10 @@ def test_a_request_as_the_sdk_encodes_it_decodes_to_our_datums():
     w.sparse_csr.col_indices = np.array([2], np.int64).tobytes()
     sparse = np.zeros((2, 4), np.float32)
     sparse[1, 2] = 3.0
-    mid, seq, loss_fn, config, forward_only, data = wire.parse_forward_backward(req.SerializeToString())
+    mid, seq, loss_fn, config, forward_only, data, prov = wire.parse_forward_backward(req.SerializeToString())
     assert (mid, seq, loss_fn, forward_only) == ("ts-0123456789:train:2", 3, "ppo", True)
     assert config == {"clip_low_threshold": pytest.approx(0.7)}
-    assert data[0].tokens == [5, 6, 7] and data[1].tokens == [1, 2]
+    assert data[0].tokens == [5, 6, 7] and data[1].tokens == [1, 2] and prov == [None, None]
     t = data[0].inputs["target_tokens"]
     assert (t.dtype, t.shape, np.frombuffer(t.data, np.int64).tolist()) == ("int64", [3], [6, 7, 8])
     w = data[1].inputs["weights"]
@@ -128,3 +128,49 @@ def test_names_round_trip_and_foreign_ones_are_refused():
             wire.parse_save_path(bad)
     with pytest.raises(wire.WireError):
         wire.parse_request_id(f"{job}.1.2")
+
+
+def test_user_metadata_is_bounded_in_keys_sizes_and_types():
+    assert wire.check_metadata(None) == {} and wire.check_metadata({"a": "b", "n": 3, "ok": True}) == {
+        "a": "b", "n": "3", "ok": "true"}
+    for md, message in (({f"k{i}": "v" for i in range(33)}, "33 keys"),
+                        ({"k": "v" * 1025}, "at most 1024 characters"),
+                        ({"k" * 129: "v"}, "a key of 1 to 128"),
+                        ({"": "v"}, "a key of 1 to 128"),
+                        ({"k": {"nested": "x"}}, "a string of at most"),
+                        ({"k": ["x"]}, "a string of at most"),
+                        ({f"k{i}": "v" * 1000 for i in range(10)}, "over 8192 bytes"),
+                        ("a string", "an object of strings"),
+                        ([["k", "v"]], "an object of strings")):
+        with pytest.raises(wire.WireError, match="^user_metadata"):
+            wire.check_metadata(md)
+        with pytest.raises(wire.WireError, match=message):
+            wire.check_metadata(md)
+    assert wire.check_display_name(None) == "" and wire.check_display_name("run a") == "run a"
+    for bad in ("x" * 257, 5, ["x"]):
+        with pytest.raises(wire.WireError, match="^display_name"):
+            wire.check_display_name(bad)
+
+
+def test_a_saves_ttl_is_a_whole_number_of_seconds_from_an_hour_to_ten_years():
+    assert wire.check_ttl(None) == 0
+    assert wire.check_ttl(3600) == 3600 and wire.check_ttl(604800) == 604800
+    for bad in (-1, 0, 3599, 10 * 365 * 86400 + 1, 2**63, 3600.5, "3600", True):
+        with pytest.raises(wire.WireError, match="^ttl_seconds"):
+            wire.check_ttl(bad)
+
+
+def test_top_k_prompt_logprobs_decode_in_the_sdk_with_the_first_row_empty():
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    from opentinker.schemas.tinker import TOPK_MASK_LOGPROB, SampledSequence, TinkerSamples
+
+    ids = np.array([[0, 0], [7, 3], [5, 9]], np.int32)
+    lps = np.array([[TOPK_MASK_LOGPROB] * 2, [-0.5, -1.25], [-0.125, -3.0]], np.float32)
+    r = TinkerSamples(sampler="ts-0123456789-s0", seq_id=1, prompt_logprobs=[float("nan"), -1.25, -0.125],
+                      sequences=[SampledSequence(tokens=[1], logprobs=[-0.5], stop_reason="stop")],
+                      topk_k=2, topk_ids=ids.tobytes(), topk_logprobs=lps.tobytes())
+    got = deserialize_sample_response(wire.sample_response(r))
+    assert got.topk_prompt_logprobs == [None, [(7, -0.5), (3, -1.25)], [(5, -0.125), (9, -3.0)]]
+    assert deserialize_sample_response(wire.sample_response(
+        TinkerSamples(sampler="ts-0123456789-s0", seq_id=1))).topk_prompt_logprobs is None
