@@ -15,7 +15,7 @@ in GSM8K's format whose questions ask to copy an answer ("Copy this answer:
 \\boxed{17}"), which the model does now and then (1 of 8), so groups differ and rl_loop's
 own stable_reinforce step runs.
 
-    .venv/bin/python bench/cookbook_recipes.py --gsm8k /work/shared/data/gsm8k
+    .venv/bin/python bench/cookbook_recipes.py --gsm8k DIR   # a folder with GSM8K's train.jsonl and test.jsonl
     .venv/bin/python bench/cookbook_recipes.py --gsm8k DIR --only rl_loop --steps 2 --out /tmp/x.json
 
 How: the cookbook (tinker-cookbook==0.6.1) goes into its own virtualenv,
