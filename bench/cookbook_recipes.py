@@ -31,8 +31,10 @@ environment, never on a command line), the model's local folder as `model_name`,
 cookbook's generic `role_colon` renderer (the cookbook has none for SmolLM2: passed as
 `renderer_name=` where a recipe takes one, else by the runner), HF_HUB_OFFLINE=1, and
 GSM8K from `--gsm8k` for every dataset they load. Each saves a checkpoint at step 2
-(`save_every=2`) so that its save's ttl_seconds is exercised. The stack is stopped by its
-process id at the end.
+(`save_every=2`) so that its save's ttl_seconds is exercised. The distillation's LoRA rank
+is 32 as the others' (its default, 128, makes each sampler save a 156 MB adapter; on this
+2-core machine under load the learner then once missed its pool heartbeat and lost the
+session). The stack is stopped by its process id at the end.
 
 Writes bench/results/<date>_<commit>_cookbook.json (default `--out`): provenance, the
 arguments, and per recipe its exit code, wall seconds, the calls by route and status,
@@ -73,7 +75,7 @@ def recipe_args(recipe: str, model: str, steps: int, log_dir: Path) -> list[str]
     if recipe == "math_rl":
         return [*common, f"renderer_name={RENDERER}", "groups_per_batch=4", "behavior_if_log_dir_exists=delete"]
     return [*common, f"teacher_model={model}", f"renderer_name={RENDERER}", "groups_per_batch=2", "max_tokens=64",
-            "behavior_if_log_dir_exists=delete"]
+            "lora_rank=32", "behavior_if_log_dir_exists=delete"]
 
 
 def copy_task(folder: Path, n_train: int = 512, n_test: int = 64) -> Path:
@@ -265,18 +267,18 @@ def main() -> None:
                TRANSFORMERS_OFFLINE="1", HF_HOME=str(scratch / "hf"), WANDB_MODE="disabled",
                PYTHONUNBUFFERED="1")
     env.pop("OPENTINKER_HOME", None)
+    out = Path(args.out) if args.out else \
+        BENCH / "results" / f"{time.strftime('%Y-%m-%d')}_{git('rev-parse', '--short', 'HEAD')}_cookbook.json"
     try:
         data = {"gsm8k": gsm8k, "copy": copy_task(scratch / "copy_task")}
         for name in args.only or RUNS:
             r = run_recipe(python, name, data[RUNS[name][1]], model, args.steps, scratch, env, args.timeout)
             record["recipes"].append(r)
+            out.write_text(json.dumps(record, indent=1) + "\n")  # each recipe's record as soon as it is done
             print(f"{name}: exit {r['returncode']}, {r['wall_s']} s, {r['calls']} HTTP calls, "
                   f"{len(r['failed'])} failed, forward_backward {r['forward_backward']}", flush=True)
     finally:
         stop_stack(proc)
-    out = Path(args.out) if args.out else \
-        BENCH / "results" / f"{time.strftime('%Y-%m-%d')}_{git('rev-parse', '--short', 'HEAD')}_cookbook.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
     print(report(record))
     print(f"wrote {out}")
     if any(r["returncode"] != 0 or r["failed"] for r in record["recipes"]):
