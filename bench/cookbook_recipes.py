@@ -7,10 +7,10 @@ error (no status >= 400, no failed future, no call unanswered), each recipe exit
 and rl_loop (copy task), math_rl and the distillation each sending forward_backward with
 their loss, every datum with provenance.
 
-rl_loop runs twice. On GSM8K (`rl_loop`), as shipped, SmolLM2-135M never writes its
-answer in \\boxed{} (0 of 96 samples when this was written; rl_loop's reward needs it), so
-every group's rewards are equal and rl_loop skips every training step: its sampling,
-saves and listing are exercised, its loss is not. `rl_loop_copy` gives it a local file
+rl_loop runs twice. On GSM8K (`rl_loop`), as shipped, SmolLM2-135M almost never writes
+its answer in \\boxed{} (rl_loop's reward needs it: 0 of 96 samples in one run, 1 in
+the next), so its groups' rewards are mostly all equal and rl_loop skips those training
+steps: its loss may not run at all. `rl_loop_copy` gives it a local file
 in GSM8K's format whose questions ask to copy an answer ("Copy this answer:
 \\boxed{17}"), which the model does now and then (1 of 8), so groups differ and rl_loop's
 own stable_reinforce step runs.
@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -194,10 +195,7 @@ def summarize(calls: list[dict]) -> dict:
 
 def _route(path: str) -> str:
     """A path with its ids replaced (`/api/v1/training_runs/{id}`), so calls group by route."""
-    parts = path.split("/")
-    known = {"api", "v1", "training_runs", "checkpoints", "sessions", "samplers", "finish", "weights",
-             "sampler_weights"}
-    return "/".join(p if p in known or "_" in p and not p.startswith("ts-") else "{id}" for p in parts)
+    return "/".join(p if re.fullmatch(r"[a-z_]*|v1", p) else "{id}" for p in path.split("/"))
 
 
 def run_recipe(python: Path, name: str, data: Path, model: str, steps: int, scratch: Path, env: dict,
