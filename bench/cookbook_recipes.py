@@ -7,10 +7,10 @@ error (no status >= 400, no failed future, no call unanswered), each recipe exit
 and rl_loop (copy task), math_rl and the distillation each sending forward_backward with
 their loss, every datum with provenance.
 
-rl_loop runs twice. On GSM8K (`rl_loop`), as shipped, SmolLM2-135M never writes its
-answer in \\boxed{} (0 of 96 samples when this was written; rl_loop's reward needs it), so
-every group's rewards are equal and rl_loop skips every training step: its sampling,
-saves and listing are exercised, its loss is not. `rl_loop_copy` gives it a local file
+rl_loop runs twice. On GSM8K (`rl_loop`), as shipped, SmolLM2-135M almost never writes
+its answer in \\boxed{} (rl_loop's reward needs it: 0 of 96 samples in one run, 1 in
+the next), so its groups' rewards are mostly all equal and rl_loop skips those training
+steps: its loss may not run at all. `rl_loop_copy` gives it a local file
 in GSM8K's format whose questions ask to copy an answer ("Copy this answer:
 \\boxed{17}"), which the model does now and then (1 of 8), so groups differ and rl_loop's
 own stable_reinforce step runs.
@@ -31,8 +31,10 @@ environment, never on a command line), the model's local folder as `model_name`,
 cookbook's generic `role_colon` renderer (the cookbook has none for SmolLM2: passed as
 `renderer_name=` where a recipe takes one, else by the runner), HF_HUB_OFFLINE=1, and
 GSM8K from `--gsm8k` for every dataset they load. Each saves a checkpoint at step 2
-(`save_every=2`) so that its save's ttl_seconds is exercised. The stack is stopped by its
-process id at the end.
+(`save_every=2`) so that its save's ttl_seconds is exercised. The distillation's LoRA rank
+is 32 as the others' (its default, 128, makes each sampler save a 156 MB adapter; on this
+2-core machine under load the learner then once missed its pool heartbeat and lost the
+session). The stack is stopped by its process id at the end.
 
 Writes bench/results/<date>_<commit>_cookbook.json (default `--out`): provenance, the
 arguments, and per recipe its exit code, wall seconds, the calls by route and status,
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,7 +76,7 @@ def recipe_args(recipe: str, model: str, steps: int, log_dir: Path) -> list[str]
     if recipe == "math_rl":
         return [*common, f"renderer_name={RENDERER}", "groups_per_batch=4", "behavior_if_log_dir_exists=delete"]
     return [*common, f"teacher_model={model}", f"renderer_name={RENDERER}", "groups_per_batch=2", "max_tokens=64",
-            "behavior_if_log_dir_exists=delete"]
+            "lora_rank=32", "behavior_if_log_dir_exists=delete"]
 
 
 def copy_task(folder: Path, n_train: int = 512, n_test: int = 64) -> Path:
@@ -192,10 +195,7 @@ def summarize(calls: list[dict]) -> dict:
 
 def _route(path: str) -> str:
     """A path with its ids replaced (`/api/v1/training_runs/{id}`), so calls group by route."""
-    parts = path.split("/")
-    known = {"api", "v1", "training_runs", "checkpoints", "sessions", "samplers", "finish", "weights",
-             "sampler_weights"}
-    return "/".join(p if p in known or "_" in p and not p.startswith("ts-") else "{id}" for p in parts)
+    return "/".join(p if re.fullmatch(r"[a-z_]*|v1", p) else "{id}" for p in path.split("/"))
 
 
 def run_recipe(python: Path, name: str, data: Path, model: str, steps: int, scratch: Path, env: dict,
@@ -265,18 +265,18 @@ def main() -> None:
                TRANSFORMERS_OFFLINE="1", HF_HOME=str(scratch / "hf"), WANDB_MODE="disabled",
                PYTHONUNBUFFERED="1")
     env.pop("OPENTINKER_HOME", None)
+    out = Path(args.out) if args.out else \
+        BENCH / "results" / f"{time.strftime('%Y-%m-%d')}_{git('rev-parse', '--short', 'HEAD')}_cookbook.json"
     try:
         data = {"gsm8k": gsm8k, "copy": copy_task(scratch / "copy_task")}
         for name in args.only or RUNS:
             r = run_recipe(python, name, data[RUNS[name][1]], model, args.steps, scratch, env, args.timeout)
             record["recipes"].append(r)
+            out.write_text(json.dumps(record, indent=1) + "\n")  # each recipe's record as soon as it is done
             print(f"{name}: exit {r['returncode']}, {r['wall_s']} s, {r['calls']} HTTP calls, "
                   f"{len(r['failed'])} failed, forward_backward {r['forward_backward']}", flush=True)
     finally:
         stop_stack(proc)
-    out = Path(args.out) if args.out else \
-        BENCH / "results" / f"{time.strftime('%Y-%m-%d')}_{git('rev-parse', '--short', 'HEAD')}_cookbook.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
     print(report(record))
     print(f"wrote {out}")
     if any(r["returncode"] != 0 or r["failed"] for r in record["recipes"]):

@@ -25,7 +25,8 @@ publishing each TinkerResult on `ot.job.<id>.results.<seq>` before acking the op
 A bad op (an unknown loss, a missing input, a checkpoint that does not exist) fails
 that op with category "user"; the session goes on. A session's state lives in its
 learner's memory between saves: a learner that stops (a crash, a requeue) cannot
-resume the session, and its redelivered assignment fails the job saying so.
+resume the session, and its redelivered assignment, or the job's next placement once
+it had said ready, fails the job saying so.
 """
 
 from __future__ import annotations
@@ -111,7 +112,11 @@ class TinkerRun(RunLifecycle):
     """A tinker session's model: executes its ops in order (module docstring)."""
 
     async def run(self) -> None:
-        if self.incarnation > 1:
+        # a session whose learner stopped, or left the pool and had the job requeued (a
+        # new placement: delivery 1, attempt 2), cannot go on: its ops before were acked
+        # and its state is gone, so a fresh start would wait for them forever
+        if self.incarnation > 1 or (self.attempt > 1 and await self.bus.last_message(
+                S.tinker_result(self.job_id, 0)) is not None):
             raise RuntimeError("the learner holding this tinker training session stopped, and a session's "
                                "unsaved state does not survive that: create a training client from your "
                                "last save_state")

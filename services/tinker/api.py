@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from opentinker.schemas.tinker import MAX_TOPK_ENTRIES, MAX_TOPK_LOGPROBS, AdamParams, TinkerOp, TinkerSample
 from opentinker.services.core.models import DEFAULT_MODEL
@@ -180,10 +181,13 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise ApiError(413, f"body: over {MAX_BODY_BYTES} bytes")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"body: over {MAX_BODY_BYTES} bytes")
+        try:
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY_BYTES:
+                    raise ApiError(413, f"body: over {MAX_BODY_BYTES} bytes")
+        except ClientDisconnect:  # it gave up (the SDK's heartbeat waits 10 s): no one to answer
+            raise ApiError(499, "the client closed the request") from None
         return bytes(raw)
 
     @app.get("/api/v1/healthz")

@@ -588,3 +588,36 @@ async def test_recorded_samples_are_bounded_per_session_oldest_first_and_deleted
     await records.drop_session(first)
     got, _ = await records.load(named)
     assert all(got[f"{k}.0"] is None for k in keys[first]) and got[f"{keys[other][0]}.0"] is not None
+
+
+async def test_a_session_whose_learner_is_lost_fails_its_next_op_saying_so_instead_of_hanging(
+        own_services, bus, job_id, tiny_model):
+    """The learner holding a training client is killed and another takes its requeued job:
+    the session's state is gone, so the client's next op fails naming what to do (before,
+    the new placement said ready again and waited for ops already acked: the recipe hung)."""
+    import signal
+
+    services = own_services  # it kills the learner: a stack of its own
+    base = await start_stack(services)
+    keys = await tenants(bus, job_id)
+    loop = asyncio.get_running_loop()
+
+    def session(sc):
+        tc = sc.create_lora_training_client(base_model=tiny_model, rank=4).result()
+        sl = [datum([5, 6, 7, 8], weights=[1.0, 1.0, 1.0])]
+        tc.forward_backward(sl, "cross_entropy").result()
+        job = tc.model_id.replace(":train:", "-m")
+        next(p for name, p in services.procs if name == "learner").send_signal(signal.SIGKILL)
+        services.start("learner")
+        for _ in range(600):
+            rec, _ = asyncio.run_coroutine_threadsafe(bus.job_record(job), loop).result()
+            if rec.attempt > 1 and rec.placement is not None or rec.state.terminal:
+                break
+            time.sleep(0.5)
+        with pytest.raises(tinker.RequestFailedError, match="create a training client from your last save_state"):
+            tc.forward(sl, "cross_entropy").result(timeout=300)  # before: no answer, ever
+        return job
+
+    job = await asyncio.to_thread(run_sdk, base, keys["alice"], session)
+    rec, _ = await bus.job_record(job)
+    assert rec.state == JobState.FAILED, (rec, services.logs())
