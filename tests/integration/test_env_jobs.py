@@ -14,9 +14,9 @@ from opentinker.sdk import Client
 from opentinker.services.core.logdb import run_query
 
 from conftest import follow, log_rows, submit_when_ready, train_jobs
+from fixtures.gsm8k_data import SAMPLE as GSM8K_SAMPLE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-GSM8K_SRC = Path("/work/shared/data/gsm8k")
 
 
 def spec(model: str, env: str, **kw) -> dict:
@@ -62,7 +62,7 @@ def gsm8k_dir(tmp_path_factory):
 
     src = tmp_path_factory.mktemp("gsm8k-src")
     for split, n in (("train", 20), ("test", 8)):
-        lines = (GSM8K_SRC / f"{split}.jsonl").read_text().splitlines()[:n]
+        lines = (GSM8K_SAMPLE / f"{split}.jsonl").read_text().splitlines()[:n]
         (src / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path_factory.mktemp("gsm8k")
     prepare_gsm8k(src, out)

@@ -27,9 +27,9 @@ from opentinker.schemas import subjects as S
 from opentinker.services.envhost.envs.arith import answer_of
 from opentinker.services.envhost.envs.gsm8k import prepare_gsm8k
 from opentinker.services.envhost.service import EnvHost
+from fixtures.gsm8k_data import SAMPLE as GSM8K_SAMPLE
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "user_env.py"
-GSM8K_SRC = Path("/work/shared/data/gsm8k")
 
 
 async def ask(bus, subject, msg, reply_type, proc, timeout_s=60.0):
@@ -67,7 +67,7 @@ async def step(bus, reset, eid, action):
 def gsm8k_dir(tmp_path):
     src = tmp_path / "gsm8k-src"
     src.mkdir()
-    with open(GSM8K_SRC / "test.jsonl") as f:
+    with open(GSM8K_SAMPLE / "test.jsonl") as f:
         (src / "test.jsonl").write_text("".join(itertools.islice(f, 10)))
     prepare_gsm8k(src, tmp_path / "gsm8k")
     return tmp_path / "gsm8k"

@@ -5,15 +5,14 @@ would expect."""
 import itertools
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from opentinker.services.envhost.envs.arith import split_of
 from opentinker.services.envhost.envs.code_math import CodeMathGame, parse_action
 from opentinker.services.envhost.envs.gsm8k import prepare_gsm8k
+from fixtures.gsm8k_data import SAMPLE as GSM8K_SAMPLE
 
-GSM8K_SRC = Path("/work/shared/data/gsm8k")
 
 
 def tool_call(code: str) -> str:
@@ -154,7 +153,7 @@ def gsm8k_dir(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     for split in ("train", "test"):
-        with open(GSM8K_SRC / f"{split}.jsonl") as f:
+        with open(GSM8K_SAMPLE / f"{split}.jsonl") as f:
             (src / f"{split}.jsonl").write_text("".join(itertools.islice(f, 5)))
     prepare_gsm8k(src, tmp_path / "gsm8k")
     return tmp_path / "gsm8k"
@@ -166,7 +165,7 @@ def test_gsm8k_problems_from_both_splits(gsm8k_dir):
         state = g.generate_initial_state(2, split)
         assert state["split"] == split and 0 <= state["index"] < 5
         g.reset(**state)
-        with open(GSM8K_SRC / f"{split}.jsonl") as f:
+        with open(GSM8K_SAMPLE / f"{split}.jsonl") as f:
             row = json.loads(next(itertools.islice(f, state["index"], None)))
         assert g.get_initial_user_message() == row["question"]
         final = row["answer"].rsplit("####", 1)[1].strip()

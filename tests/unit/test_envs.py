@@ -2,7 +2,6 @@
 
 import itertools
 import json
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -11,8 +10,8 @@ from opentinker.services.envhost.envs.arith import ArithGame
 from opentinker.services.envhost.envs.gsm8k import GSM8KGame, prepare_gsm8k
 from opentinker.services.envhost.envs.guess_number import GuessNumberGame
 from opentinker.services.envhost.registry import BUILTIN
+from fixtures.gsm8k_data import SAMPLE as GSM8K_SAMPLE
 
-GSM8K_SRC = Path("/work/shared/data/gsm8k")
 
 
 def play(game, state, action):
@@ -81,7 +80,7 @@ def gsm8k_dir(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     for split, n in (("train", 20), ("test", 5)):
-        with open(GSM8K_SRC / f"{split}.jsonl") as f:
+        with open(GSM8K_SAMPLE / f"{split}.jsonl") as f:
             (src / f"{split}.jsonl").write_text("".join(itertools.islice(f, n)))
     out = tmp_path / "gsm8k"
     assert prepare_gsm8k(src, out) == {"train": 20, "test": 5}
@@ -91,7 +90,7 @@ def gsm8k_dir(tmp_path):
 def test_gsm8k_prepare_writes_question_answer_final(gsm8k_dir):
     t = pq.read_table(gsm8k_dir / "train.parquet")
     assert t.column_names == ["question", "answer", "final"] and t.num_rows == 20
-    first = json.loads((GSM8K_SRC / "train.jsonl").open().readline())
+    first = json.loads((GSM8K_SAMPLE / "train.jsonl").open().readline())
     assert t.column("question")[0].as_py() == first["question"]
     assert t.column("final")[0].as_py() == "72"  # Natalia's clips
 
