@@ -8,13 +8,10 @@ logprobs and stop tokens; the REST client's listing of training runs and checkpo
 wrong keys refused; another tenant's models, futures, saves, runs and checkpoints
 unreachable; what is not served fails at once, naming itself; stable_reinforce on
 samples recorded with record_stability_info (its value against its formula, forged and
-foreign provenance refused); user metadata and ttl_seconds on runs and saves; a script
-that exits without closing its session frees its learner within the heartbeat timeout."""
+foreign provenance refused); user metadata and ttl_seconds on runs and saves. Sessions
+that end badly (a script that exits, a learner lost) are in test_tinker_sessions.py."""
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -23,46 +20,11 @@ import pytest
 
 from opentinker.schemas import JobSpec, JobState, SubmitJob, SubmitReply
 from opentinker.schemas import subjects as S
-from opentinker.services.core.nats_server import free_port
-from opentinker.services.core.users import Users
 
 tinker = pytest.importorskip("tinker")
 
 from conftest import Services  # noqa: E402
-from tenants import wait_http_ok  # noqa: E402
-from tinker_sdk import run_rest, run_sdk  # noqa: E402
-
-
-def datum(tokens: list[int], **inputs) -> "tinker.Datum":
-    """Tinker's next-token alignment: position i of the input predicts tokens[i + 1]."""
-    arrays = {"target_tokens": np.array(tokens[1:], dtype=np.int64)}
-    arrays.update({k: np.asarray(v, dtype=np.float32) for k, v in inputs.items()})
-    return tinker.Datum(model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={k: tinker.TensorData.from_numpy(v) for k, v in arrays.items()})
-
-
-async def start_stack(services, *tinker_args: str) -> str:
-    """The services (scheduler, learner, an hf rollout worker) and the tinker service
-    with `tinker_args`, started by `services`; the tinker service's base URL once healthy."""
-    port = free_port()
-    for name in ("scheduler", "learner"):
-        services.start(name)
-    services.start("rollout", "engine=hf")
-    services.start("tinker", f"tinker_port={port}", *tinker_args)
-    base = f"http://127.0.0.1:{port}"
-    await wait_http_ok(base + "/api/v1/healthz")
-    return base
-
-
-async def tenants(bus, job_id: str) -> dict[str, str]:
-    """alice and bob, users of the test's own: {who: key}."""
-    users = Users(bus)
-    keys = {}
-    for who in ("alice", "bob"):
-        name = f"{who}-{job_id[-6:]}"
-        await users.create_user(name)
-        keys[who] = "tml-" + (await users.create_key(name))[1]
-    return keys
+from tinker_sdk import datum, run_rest, run_sdk, start_stack, tenants  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -514,43 +476,6 @@ async def test_stable_reinforce_trains_on_recorded_samples_and_refuses_forged_or
     assert path not in [c.tinker_path for c in ckpts.checkpoints]
 
 
-@pytest.fixture
-def own_services(nats_url, home, tmp_path):
-    """A stack of the test's own (not the module's), stopped after it."""
-    s = Services(nats_url, home, tmp_path)
-    yield s
-    s.stop_all()
-
-
-async def test_a_script_that_exits_without_closing_its_session_frees_its_learner(own_services, bus, job_id,
-                                                                                 tiny_model):
-    """A recipe that never closes its ServiceClient: the SDK stops beating when the
-    process exits and never finishes the session; the learner is free again within
-    tinker_heartbeat_timeout_s (here 15 s, above the SDK's 10 s beat; its own stack)."""
-    services = own_services
-    base = await start_stack(services, "tinker_heartbeat_timeout_s=15")
-    keys = await tenants(bus, job_id)
-    script = ("import os, tinker\n"
-              "sc = tinker.ServiceClient()\n"
-              "tc = sc.create_lora_training_client(base_model=os.environ['MODEL'], rank=4).result()\n"
-              "print(tc.model_id, flush=True)\n")
-    env = dict(os.environ, TINKER_BASE_URL=base, TINKER_API_KEY=keys["alice"], TINKER_TELEMETRY="0",
-               MODEL=tiny_model)
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], env=env, capture_output=True,
-                                  text=True, timeout=300)
-    exited = time.time()
-    assert out.returncode == 0, out.stderr[-2000:]
-    job = out.stdout.strip().splitlines()[-1].replace(":train:", "-m")
-    while True:
-        rec, _ = await bus.job_record(job)
-        if rec.state.terminal or time.time() - exited > 90:
-            break
-        await asyncio.sleep(0.5)
-    assert rec.state == JobState.COMPLETED, (rec.state, services.logs())
-    print(f"the learner was free {time.time() - exited:.1f} s after the script exited")
-    assert time.time() - exited < 15 + 30
-
-
 async def test_recorded_samples_are_bounded_per_session_oldest_first_and_deleted_with_it(bus):
     """records.py on a real bus: a session past tinker_recorded_sequences_per_session loses
     its oldest recorded samples (another session keeps its own), a second retrieval of a
@@ -588,36 +513,3 @@ async def test_recorded_samples_are_bounded_per_session_oldest_first_and_deleted
     await records.drop_session(first)
     got, _ = await records.load(named)
     assert all(got[f"{k}.0"] is None for k in keys[first]) and got[f"{keys[other][0]}.0"] is not None
-
-
-async def test_a_session_whose_learner_is_lost_fails_its_next_op_saying_so_instead_of_hanging(
-        own_services, bus, job_id, tiny_model):
-    """The learner holding a training client is killed and another takes its requeued job:
-    the session's state is gone, so the client's next op fails naming what to do (before,
-    the new placement said ready again and waited for ops already acked: the recipe hung)."""
-    import signal
-
-    services = own_services  # it kills the learner: a stack of its own
-    base = await start_stack(services)
-    keys = await tenants(bus, job_id)
-    loop = asyncio.get_running_loop()
-
-    def session(sc):
-        tc = sc.create_lora_training_client(base_model=tiny_model, rank=4).result()
-        sl = [datum([5, 6, 7, 8], weights=[1.0, 1.0, 1.0])]
-        tc.forward_backward(sl, "cross_entropy").result()
-        job = tc.model_id.replace(":train:", "-m")
-        next(p for name, p in services.procs if name == "learner").send_signal(signal.SIGKILL)
-        services.start("learner")
-        for _ in range(600):
-            rec, _ = asyncio.run_coroutine_threadsafe(bus.job_record(job), loop).result()
-            if rec.attempt > 1 and rec.placement is not None or rec.state.terminal:
-                break
-            time.sleep(0.5)
-        with pytest.raises(tinker.RequestFailedError, match="create a training client from your last save_state"):
-            tc.forward(sl, "cross_entropy").result(timeout=300)  # before: no answer, ever
-        return job
-
-    job = await asyncio.to_thread(run_sdk, base, keys["alice"], session)
-    rec, _ = await bus.job_record(job)
-    assert rec.state == JobState.FAILED, (rec, services.logs())
