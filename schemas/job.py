@@ -61,7 +61,7 @@ def Bounded(kind: type, lo: float, hi: float, *, lo_open: bool = False, hi_open:
 # allocate without limit.
 MAX_GROUP_SIZE = 256
 MAX_NAME_CHARS = 200
-MAX_PATH_CHARS = 1024         # model, sft_data
+MAX_PATH_CHARS = 1024         # model, sft_data, teacher_model
 MAX_TARGET_MODULES = 64       # lora_target_modules entries
 MAX_TARGET_MODULE_CHARS = 100
 MAX_ENV_ARGS_BYTES = 64 * 1024  # env_args as msgpack
@@ -204,17 +204,23 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "Seats played by another job's policy instead: seat -> job id (the user's own, of the same model), its "
         "newest weights each generation round. Those seats are logged and measured (`reward_mean/<seat>`), "
         "not trained; at most `agents` - 1 of them.")) = msgspec.field(default_factory=dict)
-    teacher: Doc(Literal["none", "job", "base", "self"], (
+    teacher: Doc(Literal["none", "job", "base", "self", "model"], (
         "On-policy distillation (GRPO jobs): whose logprobs score each sampled token; a policy token's advantage "
         "gains -`distill_coef` (log pi_sampler(t) - log pi_teacher(t)), the per-token reverse KL to the teacher "
         "(tinker-cookbook's on-policy distillation; GKD arXiv 2306.13649). `job`: `teacher_job`'s newest "
-        "weights; `base`: the model's own weights; `self`: the job's current policy, with `teacher_context = "
+        "weights; `base`: the model's own weights; `model`: another model, `teacher_model` (e.g. a larger one of the "
+        "family); `self`: the job's current policy, with `teacher_context = "
         "\"privileged\"` (on-policy self-distillation, OPSD arXiv 2601.18734). The rollout worker scores the "
         "episode after sampling it (prompt logprobs, temperature 1, so `sampling.temperature` must be 1). "
         "Reported: `teacher_kl`.")) = "none"
     teacher_job: Doc(str, (
         "With `teacher = \"job\"`: the teaching job, the user's own, of the same `model` (the scheduler "
         "checks), e.g. a GRPO job that learned the task.")) = ""
+    teacher_model: Doc(str, (
+        "With `teacher = \"model\"`: the teaching model, named as `model` is (a Hugging Face id, a path the user "
+        "may read, or the embedded default), with `model`'s tokenizer: it scores the student's token ids (the "
+        "rollout worker checks the vocabularies and fails the job when they differ). It takes an engine of its "
+        f"own on the worker. At most {MAX_PATH_CHARS} characters.")) = ""
     teacher_context: Doc(Literal["none", "privileged"], (
         "`privileged`: the teacher reads the first user message followed by the env's "
         "`get_privileged_context()` (e.g. the answer or a reference solution), which the policy never sees "
@@ -404,7 +410,7 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
             raise SpecError(field, _range_reason(r, x))
     _check(len(spec.name) <= MAX_NAME_CHARS, "name", f"must be at most {MAX_NAME_CHARS} characters "
            f"(got {len(spec.name)})")
-    for field in ("model", "sft_data"):
+    for field in ("model", "sft_data", "teacher_model"):
         n = len(getattr(spec, field))
         _check(n <= MAX_PATH_CHARS, field, f"must be at most {MAX_PATH_CHARS} characters (got {n})")
     mods = spec.lora_target_modules
@@ -483,6 +489,11 @@ def _check_teacher(spec: JobSpec) -> None:
            f"teacher = {spec.teacher!r})")
     _check(not spec.teacher_job or JOB_ID_RE.match(spec.teacher_job) is not None, "teacher_job",
            f"{spec.teacher_job[:80]!r} is not a job id")
+    _check((spec.teacher == "model") == bool(spec.teacher_model.strip()), "teacher_model",
+           f"names the teaching model exactly when teacher = 'model' (got {spec.teacher_model[:80]!r} with "
+           f"teacher = {spec.teacher!r})")
+    _check(spec.teacher_model != spec.model, "teacher_model",
+           "is the job's own model: teacher = 'base' teaches with its weights")
     _check(spec.teacher_context == "none" or on, "teacher_context", "privileged context is for a teacher")
     _check(spec.teacher != "self" or spec.teacher_context == "privileged", "teacher",
            "'self' teaches with privileged context only (teacher_context = 'privileged'): the policy's own "

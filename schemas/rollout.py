@@ -15,6 +15,8 @@ from opentinker.schemas.job import MAX_GROUP_SIZE, Bounded, Engine, SamplerDtype
 # The start of an episode's error when the job's `agents` does not fit its env's
 # seats: the spec is wrong, so the learner fails the job instead of asking again.
 SEATS_MISMATCH = "agents: "
+# Likewise when `teacher_model` cannot score the policy's tokens (another vocabulary).
+TEACHER_MISMATCH = "teacher_model: "
 
 # What an episode is for: a training step's group, a learner's evaluation, or an
 # inference job / `opentinker infer`. The learner routes trajectories on it.
@@ -56,10 +58,11 @@ class RolloutRequest(Message, frozen=True, kw_only=True):
     agents: Bounded(int, 1, 8) = 1
     # seats another job's policy plays (JobSpec.opponents: seat -> job id)
     opponents: dict[str, str] = msgspec.field(default_factory=dict)
-    # on-policy distillation (JobSpec.teacher, .teacher_job, .teacher_context): after an
+    # on-policy distillation (JobSpec.teacher, .teacher_job, .teacher_model, .teacher_context): after an
     # episode, the worker scores its tokens with the teacher's policy (Trajectory.teacher_logprobs)
-    teacher: Literal["none", "job", "base", "self"] = "none"
+    teacher: Literal["none", "job", "base", "self", "model"] = "none"
     teacher_job: str = ""
+    teacher_model: str = ""
     teacher_context: Literal["none", "privileged"] = "none"
 
 

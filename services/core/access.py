@@ -92,14 +92,15 @@ def confine_path(path: str, *, field: str, user: str, admin: bool, home: str | P
 
 
 def check_model_ref(model: str, *, user: str, admin: bool, home: str | Path,
-                    own_jobs: Iterable[str]) -> str:
+                    own_jobs: Iterable[str], field: str = "model") -> str:
     """`model` as the learner should load it: a known name (the embedded default) or a
     Hugging Face hub id `org/name` unchanged, anything else as a path confined by
-    confine_path (field "model"; the real path is returned, admin: `~` expanded).
+    confine_path (the real path is returned, admin: `~` expanded).
 
     A hub id that also names a folder relative to this process's working directory is
     taken as a path (from_pretrained would load that folder, not the hub's model).
-    Raises SpecError("model", ...) for a path the user may not name.
+    Raises SpecError(field, ...) for a path the user may not name (`field`: the spec's
+    field that names it, "model" or "teacher_model").
     """
     if model in KNOWN_MODELS:
         return model
@@ -109,18 +110,22 @@ def check_model_ref(model: str, *, user: str, admin: bool, home: str | Path,
     real = Path(os.path.realpath(Path(model).expanduser()))
     if not admin and Path(model).expanduser().is_absolute() and real.is_relative_to(shared) and real != shared:
         return str(real)  # the operator's shared models (module docstring)
-    return str(confine_path(model, field="model", user=user, admin=admin, home=home, own_jobs=own_jobs))
+    return str(confine_path(model, field=field, user=user, admin=admin, home=home, own_jobs=own_jobs))
 
 
 def check_spec_paths(spec: JobSpec, *, user: str, admin: bool, home: str | Path,
                      own_jobs: Iterable[str]) -> None:
-    """Check that `user` may name the spec's `model` and `sft_data` (when set); the
-    scheduler calls this when a job is submitted, with the submitter's name, role
+    """Check that `user` may name the spec's `model`, `teacher_model` and `sft_data` (when
+    set); the scheduler calls this when a job is submitted, with the submitter's name, role
     (`admin`), `home` and the ids of the submitter's jobs (`own_jobs`, see jobs_of).
 
-    Raises SpecError naming the field ("model" or "sft_data") and the allowed places.
+    Raises SpecError naming the field ("model", "teacher_model" or "sft_data") and the
+    allowed places.
     """
     check_model_ref(spec.model, user=user, admin=admin, home=home, own_jobs=own_jobs)
+    if spec.teacher_model:
+        check_model_ref(spec.teacher_model, user=user, admin=admin, home=home, own_jobs=own_jobs,
+                        field="teacher_model")
     if spec.sft_data:
         confine_path(spec.sft_data, field="sft_data", user=user, admin=admin, home=home, own_jobs=own_jobs)
 

@@ -38,7 +38,7 @@ from nats.aio.msg import Msg
 
 from opentinker.schemas import JobAssigned, RolloutRequest, Trajectory
 from opentinker.schemas import subjects as S
-from opentinker.schemas.rollout import SEATS_MISMATCH
+from opentinker.schemas.rollout import SEATS_MISMATCH, TEACHER_MISMATCH
 from opentinker.schemas.stats import derived_seed, episode_stats, lag_stats, seat_stats
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
@@ -190,7 +190,7 @@ class JobRun(RunLifecycle):
                              sampler_dtype=spec.sampler_dtype,
                              purpose="train", attempt=self.attempt, policy_run=self.run_id, agents=spec.agents,
                              opponents=spec.opponents, teacher=spec.teacher, teacher_job=spec.teacher_job,
-                             teacher_context=spec.teacher_context)
+                             teacher_model=spec.teacher_model, teacher_context=spec.teacher_context)
         # the root of the group's trace: rollout, envhost and this learner's
         # trajectory spans follow it through the message headers
         worker = self.rollout_worker(i)
@@ -326,6 +326,8 @@ class JobRun(RunLifecycle):
             if first.startswith(SEATS_MISMATCH) and all(h.traj.error == first for h in group):
                 # the spec's seat count does not fit the env: no retry can mend that
                 raise RuntimeError(f"env {spec.env!r} does not fit the spec: {first[:500]}")
+            if first.startswith(TEACHER_MISMATCH) and all(h.traj.error == first for h in group):
+                raise RuntimeError(f"the teacher cannot score this job's tokens: {first[:500]}")
             await self.drop_group(s, i, f"every episode failed: {first[:500]}")
         elif not seats_complete([h.traj for h in group], spec.group_size):
             await self.drop_group(s, i, "invalid")

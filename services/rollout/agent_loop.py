@@ -60,7 +60,7 @@ from opentinker.schemas.rollout import SEATS_MISMATCH
 from opentinker.services.core import tracing
 from opentinker.services.rollout.chat import ChatRenderer
 from opentinker.services.rollout.coordinator import Coordinator, Game
-from opentinker.services.rollout.teacher import score_by_teachers, teacher_prompt
+from opentinker.services.rollout.teacher import ScoreByModel, score_by_teachers, teacher_prompt
 
 
 @dataclass(frozen=True)
@@ -207,12 +207,16 @@ class AgentLoop:
 
     engine: see `Engine`; its `generate` runs in `executor` (a thread), so the event
     loop keeps serving the bus meanwhile. `worker` is recorded in each trajectory.
+    score_by_model: how a `teacher = "model"` request's teacher scores (teacher.py's
+    ScoreByModel; the rollout service's engine of that model); None: such episodes end
+    with an error naming it.
     """
 
     def __init__(self, engine: Engine, env: EnvClient, *, worker: str = "",
-                 executor: Executor | None = None):
+                 executor: Executor | None = None, score_by_model: ScoreByModel | None = None):
         self.engine = engine
         self.env = env
+        self.score_by_model = score_by_model
         self.worker = worker
         self.executor = executor
         self.renderer = ChatRenderer(engine.tokenizer, getattr(engine, "processor", None))
@@ -261,7 +265,7 @@ class AgentLoop:
             ready = [gi for gi, g in enumerate(groups)
                      if not g.done and all(e.phase is Phase.TERMINATED for e in g.episodes)]
             await score_by_teachers(self.engine, self.executor, [e for gi in ready for e in groups[gi].episodes],
-                                    policy_version, engine_lock)
+                                    policy_version, engine_lock, self.score_by_model)
             for gi in ready:
                 g = groups[gi]
                 g.done = True

@@ -100,6 +100,7 @@ class EngineSlot:
 
     def __init__(self, engine: Any, model_dir: str, executor: ThreadPoolExecutor):
         self.engine = engine
+        self.model_dir = model_dir
         # every engine call (create, generate, load) from one thread: vLLM's CPU
         # backend binds its OpenMP threads to the thread that created it
         self.executor = executor

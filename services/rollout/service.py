@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import logging
 import time
@@ -64,6 +65,7 @@ import torch
 from nats.aio.msg import Msg
 
 from opentinker.schemas import RolloutRequest, Trajectory
+from opentinker.schemas.rollout import TEACHER_MISMATCH
 from opentinker.schemas import subjects as S
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import TRANSIENT, Bus
@@ -75,6 +77,7 @@ from opentinker.services.rollout.agent_loop import AgentLoop
 from opentinker.services.rollout.env_client import ENV_SETUP_RETRY_S, NatsEnvClient
 from opentinker.services.rollout.policy import EngineSlot, PolicyTracker, WeightsUnavailable
 from opentinker.services.rollout.sampling import is_sample, serve_sample
+from opentinker.services.rollout.teacher import check_teacher_vocab
 from opentinker.services.rollout.weights import WeightsError
 
 log = logging.getLogger("opentinker.rollout")
@@ -134,7 +137,7 @@ class RolloutWorker:
             "cuda" if torch.cuda.is_available() else "cpu")
         self.seed = zlib.crc32(self.worker.encode())
         self.env = NatsEnvClient(bus, setup_retry_s=ENV_SETUP_RETRY_S, step_timeout_s=settings.env_step_timeout_s)
-        self.engines: dict[tuple[str, str, str], EngineSlot] = {}
+        self.engines: dict[tuple[str, str, str, str], EngineSlot] = {}  # (model dir, kind, dtype, role)
         # job id -> its learner `dtype`, read from the job record at admission: a CPU
         # sampler's "auto" precision follows it (resolve_sampler_dtype)
         self.learner_dtype: dict[str, str] = {}
@@ -143,6 +146,8 @@ class RolloutWorker:
         self.detached: set[asyncio.Task] = set()  # parts of jobs on a user's own envhost (_detach)
         self.engine_lock = asyncio.Lock()
         self.policies = PolicyTracker(bus, Path(settings.home) / "cache" / "adapters")
+        # (student model dir, teacher model dir) whose vocabularies were found equal
+        self.same_vocab: set[tuple[str, str]] = set()
 
     async def start(self) -> None:
         await self.policies.start()
@@ -162,23 +167,25 @@ class RolloutWorker:
         return await self.engine_for_model(req.model, req.engine, req.sampler_dtype, learner_dtype)
 
     async def engine_for_model(self, model: str, engine: str, sampler_dtype: str = "auto",
-                               learner_dtype: str = "float32") -> EngineSlot:
+                               learner_dtype: str = "float32", role: str = "") -> EngineSlot:
         """The engine slot for `model` on `engine` ("auto", "vllm", "hf") in
         `sampler_dtype` ("auto", "float32", "bfloat16"; "auto" follows the job's
-        `learner_dtype` on a CPU, resolve_sampler_dtype), created on first use. Raises
-        OSError/ValueError/RuntimeError/ImportError when the model or engine cannot load."""
+        `learner_dtype` on a CPU, resolve_sampler_dtype), created on first use; `role`
+        "teacher": a slot apart from the students' (a distillation teacher's model, on
+        its own weights). Raises OSError/ValueError/RuntimeError/ImportError when the
+        model or engine cannot load."""
         # one engine built at a time: jobs on a user's own envhost run beside the batch
         # (_detach), and two vLLM engines started at once in one process crash it
         async with self.engine_lock:
-            return await self._engine_for_model(model, engine, sampler_dtype, learner_dtype)
+            return await self._engine_for_model(model, engine, sampler_dtype, learner_dtype, role)
 
     async def _engine_for_model(self, model: str, engine: str, sampler_dtype: str,
-                                learner_dtype: str) -> EngineSlot:
+                                learner_dtype: str, role: str = "") -> EngineSlot:
         model_dir = await asyncio.to_thread(resolve_model, model, self.settings.home)
         kind = pick_engine(engine, self.settings.engine, model_dir)
         chosen_for_us = engine == "auto" and self.settings.engine == "auto"
         dtype = resolve_sampler_dtype(sampler_dtype, self.device, learner_dtype)
-        key = (model_dir, kind, dtype)
+        key = (model_dir, kind, dtype, role)
         if key in self.engines:
             self.engines[key].last_used = time.monotonic()
             return self.engines[key]
@@ -193,7 +200,7 @@ class RolloutWorker:
                 if not (chosen_for_us and kind == "vllm"):
                     raise
                 log.warning("vLLM does not import (%s); using the transformers engine", e)
-                kind, key = "hf", (model_dir, "hf", dtype)
+                kind, key = "hf", (model_dir, "hf", dtype, role)
                 if key in self.engines:
                     executor.shutdown(wait=False)
                     return self.engines[key]
@@ -272,6 +279,11 @@ class RolloutWorker:
         if req.sampler_dtype != rec.spec.sampler_dtype:
             return "refuse", (f"`sampler_dtype`: {req.sampler_dtype!r} is not job {req.job_id}'s "
                               f"sampler_dtype {rec.spec.sampler_dtype!r}")
+        # the weights a teacher reads: only those the scheduler checked for the job's owner
+        for field in ("teacher", "teacher_job", "teacher_model"):
+            if getattr(req, field) != getattr(rec.spec, field):
+                return "refuse", (f"`{field}`: {getattr(req, field)[:200]!r} is not job {req.job_id}'s "
+                                  f"{field} {getattr(rec.spec, field)[:200]!r}")
         self.learner_dtype[req.job_id] = rec.spec.dtype
         self.env_owner[req.job_id] = rec.env_owner
         return "serve", ""
@@ -418,8 +430,31 @@ class RolloutWorker:
             await m.ack()
             pending.pop(id(m), None)
 
+        async def score_by_model(model: str, seqs: list[list[int]], **vision: Any) -> list[list[float]]:
+            # teacher = "model": another model's engine, on its own weights, scores the sequences
+            # (an engine of its own, never a student's: its lock is held only around this
+            # call, always after the student's, so two jobs teaching each other's models
+            # cannot wait on each other)
+            try:
+                teacher = await self.engine_for_model(model, reqs[0].engine, reqs[0].sampler_dtype,
+                                                      self.learner_dtype.get(job_id, "float32"), role="teacher")
+            except (OSError, ValueError, RuntimeError, ImportError) as e:
+                raise ValueError(f"{TEACHER_MISMATCH}cannot load {model[:200]!r}: {e}") from e
+            if (slot.model_dir, teacher.model_dir) not in self.same_vocab:
+                check_teacher_vocab(slot.engine.tokenizer, teacher.engine.tokenizer, model)
+                self.same_vocab.add((slot.model_dir, teacher.model_dir))
+            teacher.in_use += 1
+            try:
+                async with teacher.lock:
+                    await self.policies.ensure_weights(teacher, f"teacher:{job_id}", None)
+                    return await asyncio.get_running_loop().run_in_executor(
+                        teacher.executor, functools.partial(teacher.engine.prompt_logprobs, **vision), seqs)
+            finally:
+                teacher.in_use -= 1
+
         owner = self.env_owner.get(job_id, "")
-        loop = AgentLoop(slot.engine, self.env.for_owner(owner), worker=self.worker, executor=slot.executor)
+        loop = AgentLoop(slot.engine, self.env.for_owner(owner), worker=self.worker, executor=slot.executor,
+                         score_by_model=score_by_model)
         t0 = time.perf_counter()
         slot.in_use += 1
         try:

@@ -255,6 +255,8 @@ class Scheduler:
             # the checked form is what every service is given (a relative path resolved
             # in the user's area, symlinks resolved): what runs is what was checked
             changes = {"model": check_model_ref(cmd.spec.model, **rules)}
+            if cmd.spec.teacher_model:  # read by the rollout worker, as `model` is
+                changes["teacher_model"] = check_model_ref(cmd.spec.teacher_model, field="teacher_model", **rules)
             if cmd.spec.sft_data:
                 changes["sft_data"] = str(confine_path(cmd.spec.sft_data, field="sft_data", **rules))
             source = cmd.spec.tinker_init.partition("/")[0]

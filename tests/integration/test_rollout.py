@@ -258,8 +258,11 @@ async def test_rollout_service_hf(bus, services, job_id, tiny_model, tmp_path):
         rollout_request(job_id, tiny_model, env, "ru", 0), request_id="another-job-s0-g0"))
     await bus.publish(S.rollout(job_id, f"w2-{job_id}"), msgspec.structs.replace(
         rollout_request(job_id, tiny_model, env, "rt", 0), sampler_dtype="bfloat16"))
+    # a teacher the scheduler never checked for the job's owner (a model path of anyone's)
+    await bus.publish(S.rollout(job_id, f"w2-{job_id}"), msgspec.structs.replace(
+        rollout_request(job_id, tiny_model, env, "rs", 0), teacher="model", teacher_model="/etc"))
     expected = ["cannot decode RolloutRequest", "`group_size`", "`model`: 'gpt2' is not job",
-                "`sampler_dtype`: 'bfloat16' is not job",
+                "`sampler_dtype`: 'bfloat16' is not job", "`teacher`: 'model' is not job",
                 f"job {elsewhere} is not placed on worker w2-{job_id}", f"no job '{job_id}-none'", "`request_id`"]
     letters: list[DeadLetter] = []
     deadline = time.monotonic() + 60

@@ -126,6 +126,13 @@ def test_spec_paths_name_the_field(home):
     with pytest.raises(SpecError) as e:
         check_spec_paths(JobSpec(algorithm="sft", sft_data="/etc/passwd"), **alice(home))
     assert e.value.field == "sft_data"
+    # a distillation teacher's model is read by the rollout worker: the same rules as `model`
+    teach = dict(teacher="model", distill_coef=1.0)
+    check_spec_paths(JobSpec(teacher_model="HuggingFaceTB/SmolLM2-360M-Instruct", **teach), **alice(home))
+    for theirs in (str(home / "checkpoints" / OTHER / "final"), "/etc", "../../models-of-bob"):
+        with pytest.raises(SpecError) as e:
+            check_spec_paths(JobSpec(teacher_model=theirs, **teach), **alice(home))
+        assert e.value.field == "teacher_model" and str(e.value).startswith("invalid job spec: `teacher_model`:")
 
 
 def test_user_names_are_checked_before_they_become_folders(home):

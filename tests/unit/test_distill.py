@@ -1,6 +1,7 @@
 """On-policy distillation: the per-token reverse-KL advantage by hand, the spec's checks,
 and the agent loop's teacher scoring with the real transformers engine on the tiny
-model (alignment of the teacher's logprobs with the policy's tokens, privileged context)."""
+model (alignment of the teacher's logprobs with the policy's tokens, privileged context,
+a teacher of another model: SmolLM2-135M teaching the tiny model, which shares its tokenizer)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from opentinker.schemas import (
 from opentinker.schemas.rollout import Trajectory
 from opentinker.services.learner.batching import StepAdvantages, distill_advantages, step_advantages
 from opentinker.services.learner.step import plan_step
+from opentinker.schemas.rollout import TEACHER_MISMATCH
 from opentinker.services.rollout.agent_loop import AgentLoop
+from opentinker.services.rollout.teacher import check_teacher_vocab
 
 SYSTEM = "You count sheep."
 USER = "Say a number."
@@ -95,6 +98,10 @@ def test_plan_step_reports_the_teacher_kl_and_trains_a_group_of_equal_rewards():
     ({"teacher": "job", "teacher_job": "Not An Id", "distill_coef": 1.0}, "teacher_job"),
     ({"teacher": "self", "distill_coef": 1.0}, "teacher"),
     ({"teacher_context": "privileged"}, "teacher_context"),
+    ({"teacher": "model", "distill_coef": 1.0}, "teacher_model"),
+    ({"teacher": "base", "teacher_model": "org/bigger", "distill_coef": 1.0}, "teacher_model"),
+    ({"teacher": "model", "teacher_model": "smollm2-135m-instruct", "distill_coef": 1.0}, "teacher_model"),
+    ({"teacher": "model", "teacher_model": "x" * 1025, "distill_coef": 1.0}, "teacher_model"),
     ({"distill_only": True}, "distill_only"),
     ({"teacher": "base", "distill_coef": 1.0, "agents": 2}, "teacher"),
     ({"teacher": "base", "distill_coef": 1.0, "algorithm": "sft", "sft_data": "x.jsonl"}, "teacher"),
@@ -110,7 +117,8 @@ def test_distillation_options_are_checked(changes, field):
 def test_valid_distillation_specs_pass():
     for changes in ({"teacher": "job", "teacher_job": "arith-main", "distill_coef": 1.0, "distill_only": True},
                     {"teacher": "self", "teacher_context": "privileged", "distill_coef": 0.1},
-                    {"teacher": "base", "teacher_context": "privileged", "distill_coef": 1.0}):
+                    {"teacher": "base", "teacher_context": "privileged", "distill_coef": 1.0},
+                    {"teacher": "model", "teacher_model": "org/bigger", "distill_coef": 1.0}):
         validate_job_spec(JobSpec(**changes))
 
 
@@ -214,3 +222,51 @@ async def test_without_a_teacher_nothing_is_scored(engine):
     [trajs] = await AgentLoop(engine, game).run([request()], versions)
     assert game.privileged_asked == [False, False] and all(a == ("", False) for a in versions.asked)
     assert all(t.teacher_logprobs == [] for t in trajs)
+
+
+async def test_a_teacher_of_another_model_scores_the_policy_tokens_on_its_own_engine(engine, smollm2):
+    """teacher = "model": SmolLM2-135M (the tiny model's tokenizer, other weights) scores
+    the tiny policy's tokens through score_by_model: its prompt logprobs of the episode's
+    sequence, aligned with the policy's tokens, far from the sampler's own."""
+    from opentinker.services.rollout.engine_hf import HFEngine
+
+    teacher = HFEngine(smollm2, seed=3)
+    asked: list[str] = []
+
+    async def score_by_model(model, seqs, **vision):
+        asked.append(model)
+        check_teacher_vocab(engine.tokenizer, teacher.tokenizer, model)
+        return teacher.prompt_logprobs(seqs)
+
+    versions = Versions()
+    [trajs] = await AgentLoop(engine, SecretGame(), score_by_model=score_by_model).run(
+        [request(teacher="model", teacher_model="the-teacher")], versions)
+    assert asked == ["the-teacher"] and all(not base for _, base in versions.asked)  # the student's engine untouched
+    for t in trajs:
+        assert not t.error and len(t.teacher_logprobs) == len(t.token_ids)
+        [lps] = teacher.prompt_logprobs([t.token_ids])
+        assert t.teacher_logprobs == pytest.approx([lps[j] if m else 0.0 for j, m in enumerate(t.loss_mask)],
+                                                   abs=1e-5)
+        gap = [lp - tlp for lp, tlp, m in zip(t.logprobs, t.teacher_logprobs, t.loss_mask) if m]
+        assert max(abs(g) for g in gap) > 0.1  # another model's judgement, not the sampler's
+
+
+async def test_a_teacher_model_that_cannot_score_ends_the_episodes_naming_it(engine):
+    """No way to load a teacher model, or one with another vocabulary: the episodes end
+    with an error starting with TEACHER_MISMATCH (the learner then fails the job)."""
+    [trajs] = await AgentLoop(engine, SecretGame()).run([request(teacher="model", teacher_model="m")], Versions())
+    assert all(t.error.startswith(TEACHER_MISMATCH) and "cannot load a teacher model" in t.error for t in trajs)
+
+    class OtherTokenizer:
+        def get_vocab(self):
+            return {**engine.tokenizer.get_vocab(), "<image>": 49152}
+
+    async def score_by_model(model, seqs, **vision):
+        check_teacher_vocab(engine.tokenizer, OtherTokenizer(), model)
+        raise AssertionError("scored with another vocabulary")
+
+    [trajs] = await AgentLoop(engine, SecretGame(), score_by_model=score_by_model).run(
+        [request(teacher="model", teacher_model="org/vlm")], Versions())
+    for t in trajs:
+        assert t.error.startswith(TEACHER_MISMATCH) and "'org/vlm' has another vocabulary" in t.error, t.error
+        assert "'<image>', 49152" in t.error and t.teacher_logprobs == []
