@@ -288,12 +288,12 @@ class AgentLoop:
                     version = await (policy_version(of) if of else policy_version())
                     outs, gen_ms = await self._generate(part, version)
                 done += [(e, o, version, gen_ms) for e, o in zip(part, outs)]
-            phases: dict[int, tuple[Game, dict[str, tuple[GenOut, int]], float]] = {}
+            phases: dict[str, tuple[Game, dict[str, tuple[GenOut, int]], float]] = {}
             for e, o, version, gen_ms in done:
                 if e.game is not None:
-                    game, got, ms = phases.setdefault(id(e.game), (e.game, {}, 0.0))
+                    game, got, ms = phases.setdefault(e.game.game_id, (e.game, {}, 0.0))
                     got[e.agent] = (o, version)
-                    phases[id(e.game)] = (game, got, max(ms, gen_ms))
+                    phases[e.game.game_id] = (game, got, max(ms, gen_ms))
             await asyncio.gather(*(self._interact(e, o, version, gen_ms)
                                    for e, o, version, gen_ms in done if e.game is None),
                                  *(self.coordinator.phase(game, got, gen_ms) for game, got, gen_ms in phases.values()))
