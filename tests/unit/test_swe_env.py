@@ -98,6 +98,19 @@ def test_a_wrong_fix_earns_less_and_the_hidden_tests_cannot_be_edited_away():
     assert r.reward == pytest.approx(len(task.pass_to_pass) / len(task.hidden_tests)) and not r.info["resolved"]
 
 
+def test_the_resolved_reward_is_1_only_when_every_hidden_test_passes():
+    """env_args.reward = "resolved" (SWE-bench's resolved rate): the reference fix earns 1,
+    an unchanged repository 0 where "fraction" gives it its PASS_TO_PASS share."""
+    task = task_of("leap-year-400")
+    r = start(task, reward="resolved").step("submit")
+    assert (r.reward, r.done, r.info["resolved"]) == (0.0, True, False) and r.info["passed"] > 0, r.info
+    game = start(task, reward="resolved")
+    assert not game.step(fix_as_edit(task)).done
+    assert game.step("submit").reward == 1.0
+    with pytest.raises(ValueError, match="env_args.reward: must be one of"):
+        SWEGame(reward="partial")
+
+
 @pytest.mark.parametrize("action, why", [
     ("edit {mod}\n<<<<<<< SEARCH\n    return nothing_like_this\n=======\n    pass\n>>>>>>> REPLACE",
      "the SEARCH text is not in the file"),

@@ -74,6 +74,7 @@ from opentinker.services.envhost.envs.swe_tasks import Task, generate_tasks, loa
 from opentinker.services.envhost.envs.toolcall import TOOL_CALL, parse_call
 
 PATCH_FAILED_REWARD = -0.2
+REWARDS = ("fraction", "resolved")  # env_args.reward (SWEGame)
 COMMANDS = ("read_file", "edit", "apply_patch", "run_tests", "submit")
 #: files named in the first user message (the rest are counted)
 MAX_LISTED_FILES = 200
@@ -189,6 +190,10 @@ class SWEGame(AbstractGame):
                         (the repository's dependencies), e.g. ["numpy"]
       max_output_chars: run_tests output kept (the middle is cut), 500..100000 (default 4000)
       max_read_chars:   read_file text shown per call, 500..100000 (default 6000)
+      reward:           "fraction": the fraction of the hidden tests that pass (default);
+                        "resolved": 1 when every one passes, else 0 (SWE-bench's resolved
+                        rate, Jimenez et al. 2024, arXiv 2310.06770: an unchanged
+                        repository earns nothing for its PASS_TO_PASS tests)
     Raises ValueError naming the env_arg for a bad value or an unknown one, or `runner`
     when the pytest runner is asked for and pytest is not installed here.
     """
@@ -198,7 +203,7 @@ class SWEGame(AbstractGame):
     def __init__(self, data_dir: str | None = None, max_turns: int = 8, timeout_s: float = 30.0,
                  memory_mb: int = 1024, disk_mb: int = 256, runner: str | None = None,
                  packages: list[str] | tuple[str, ...] = (), max_output_chars: int = 4000,
-                 max_read_chars: int = 6000, **unknown: Any):
+                 max_read_chars: int = 6000, reward: str = "fraction", **unknown: Any):
         super().__init__(data_dir=data_dir, max_turns=max_turns, timeout_s=timeout_s, runner=runner)
         for k in sorted(unknown):
             raise ValueError(f"env_args.{k}: not an argument of swe")
@@ -210,7 +215,9 @@ class SWEGame(AbstractGame):
         if not isinstance(packages, (list, tuple)) or len(packages) > 64 or \
                 not all(isinstance(p, str) and _DIST.match(p) for p in packages):
             raise ValueError(f"env_args.packages: must be a list of distribution names, got {packages!r}")
-        self.runner, self.packages = runner, tuple(packages)
+        if reward not in REWARDS:
+            raise ValueError(f"env_args.reward: must be one of {REWARDS}, got {reward!r}")
+        self.runner, self.packages, self.reward = runner, tuple(packages), reward
         self.max_output_chars = _int_arg("max_output_chars", max_output_chars, 500, 100_000)
         self.max_read_chars = _int_arg("max_read_chars", max_read_chars, 500, 100_000)
         # CPU seconds a little above the wall clock, so a busy loop ends as "timed out"
@@ -420,7 +427,7 @@ class SWEGame(AbstractGame):
         if not result.finished:
             note = run.note() or "[the test process ended before every test had run]"
             obs += f"\n{note} Tests that had not finished count as failed."
-        return self._end(obs, len(passed) / len(hidden), info)
+        return self._end(obs, float(not failed) if self.reward == "resolved" else len(passed) / len(hidden), info)
 
     def _end(self, obs: str, reward: float, info: dict[str, Any]) -> StepResult:
         info.update(task=self.task.id, turn=self.turn, edits=self.edits)
