@@ -18,6 +18,7 @@ StepResult`) runs unchanged:
         def get_tools(self) -> list[dict]: ...             # tools the model may call
         def get_initial_images(self) -> list: ...          # images for a vision-language model
         def get_privileged_context(self) -> str: ...       # what a distillation teacher also reads
+        def close(self) -> None: ...                       # the episode is over: let go of its resources
 
 `__init__(**env_args)` receives the job's `env_args`. One instance serves one episode.
 

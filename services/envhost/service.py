@@ -6,7 +6,9 @@ Episodes are keyed by (job id, episode id): a request naming one job never reach
 another job's game, whatever episode id it names.
 User code runs in threads (a slow env does not block the host), at most
 `envhost_max_concurrency` calls at once; an episode idle for `envhost_episode_ttl_s`
-is dropped. An exception in user code ends that episode with `error` =
+is dropped. A game that ends, or is closed, dropped or replaced, has its `close()`
+called when it defines one (AbstractGame.close: let go of what the episode holds), in
+the user-code threads; an error there is logged. An exception in user code ends that episode with `error` =
 "<ExcType>: <message>" and the host keeps serving; so does an image the env returns
 that environment/images.py refuses (unreadable, too many, too large).
 
@@ -242,6 +244,20 @@ class EnvHost:
     async def _user(self, fn, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def _drop(self, key: tuple[str, str]) -> None:
+        """Forget episode `key` (if held) and close its game (release)."""
+        ep = self.episodes.pop(key, None)
+        if ep is not None:
+            self._release(ep)
+
+    def _release(self, ep: Episode) -> None:
+        """Call the game's `close()`, if it defines one, in a user-code thread; not awaited,
+        and whatever it raises is logged (its episode is over either way)."""
+        closer = getattr(ep.game, "close", None)
+        if callable(closer):
+            with contextlib.suppress(RuntimeError):  # the pool is shut down: the host is stopping
+                self._pool.submit(_close_game, ep.env, closer)
+
     def _failed(self, what: str, env: str, episode_id: str, e: Exception) -> str:
         log.warning("env %s %s failed (episode %r): %s", env, what, episode_id, user_error(e),
                     exc_info=e)
@@ -271,7 +287,7 @@ class EnvHost:
             return reply
         log.warning("env reply refused (episode %r): %s", episode and episode[1], why)
         if episode is not None:
-            self.episodes.pop(episode, None)
+            self._drop(episode)
         return type(reply)(error=f"env reply over a limit: {why}")
 
     async def init(self, name: str, req: EnvInitRequest, m: Msg) -> EnvInitReply:
@@ -305,6 +321,7 @@ class EnvHost:
         except Exception as e:  # user code
             return EnvResetReply(error=self._failed("reset", name, req.episode_id, e))
         key = (req.job_id, req.episode_id)
+        self._drop(key)  # a reset again under the same id replaces the game
         if isinstance(game, MultiAgentGame):
             self.episodes[key] = Episode(name, game, time.monotonic(), acting=acting)
             return self.bounded(EnvResetReply(host_id=self.host_id, agents=openings, acting=acting), key)
@@ -328,15 +345,15 @@ class EnvHost:
                 else:
                     reply = await self._user(take_step, ep.game, req.action)
             except Exception as e:  # user code
-                self.episodes.pop(key, None)
+                self._drop(key)
                 return EnvStepReply(error=self._failed("step", ep.env, req.episode_id, e), done=True)
             ep.last_used = time.monotonic()
         if reply.done:
-            self.episodes.pop(key, None)
+            self._drop(key)
         return self.bounded(reply, key)
 
     async def close(self, req: EnvCloseRequest, m: Msg) -> EnvStepReply:
-        self.episodes.pop((req.job_id, req.episode_id), None)
+        self._drop((req.job_id, req.episode_id))
         return EnvStepReply(done=True)
 
     def shutdown(self) -> None:
@@ -348,10 +365,17 @@ class EnvHost:
         cutoff = (time.monotonic() if now is None else now) - self.episode_ttl_s
         stale = [k for k, ep in self.episodes.items() if ep.last_used < cutoff and not ep.lock.locked()]
         for k in stale:
-            del self.episodes[k]
+            self._drop(k)
         if stale:
             log.info("dropped %d episodes idle for more than %.0f s", len(stale), self.episode_ttl_s)
         return len(stale)
+
+
+def _close_game(env: str, closer: Callable[[], Any]) -> None:
+    try:
+        closer()
+    except Exception as e:  # user code: logged, the host goes on
+        log.warning("env %s close() failed: %s", env, user_error(e), exc_info=e)
 
 
 def new_host_id(worker_id: str = "") -> str:

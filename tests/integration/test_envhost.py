@@ -213,6 +213,57 @@ async def test_close_and_idle_episodes_are_dropped():
     host.shutdown()
 
 
+async def test_every_way_an_episode_ends_closes_its_game_once_and_a_failing_close_harms_nothing():
+    """AbstractGame.close(): called when the episode ends (done), fails, is closed by the
+    rollout, idles past the TTL or is reset again under its id; a close() that raises is
+    logged, and the host goes on serving."""
+    from opentinker.services.envhost.envs.arith import ArithGame
+
+    closed: list[str] = []
+
+    class Closing(ArithGame):
+        def reset(self, **state):
+            self.label = state.pop("label")
+            return super().reset(**state)
+
+        def step(self, action):
+            if action == "boom":
+                raise RuntimeError("boom")
+            return super().step(action)
+
+        def close(self):
+            closed.append(self.label)
+            if self.label == "idle":
+                raise OSError("a close that fails")
+
+    host = EnvHost({"arith": Closing}, "h", max_concurrency=2, episode_ttl_s=60)
+
+    async def reset(eid, label):
+        req = EnvResetRequest(env="arith", episode_id=eid, state={"a": 1, "b": 2, "label": label})
+        assert (await host.reset("arith", req, None)).host_id == "h"
+
+    async def settled(n):  # close() runs in a user-code thread, not awaited by the host
+        for _ in range(100):
+            if len(closed) >= n:
+                return sorted(closed)
+            await asyncio.sleep(0.02)
+        return sorted(closed)
+
+    for eid in ("done", "failed", "closed", "idle", "again"):
+        await reset(eid, eid)
+    assert (await host.step(EnvStepRequest(episode_id="done", action="3"), None)).done
+    assert "boom" in (await host.step(EnvStepRequest(episode_id="failed", action="boom"), None)).error
+    await host.close(EnvCloseRequest(episode_id="closed"), None)
+    await reset("again", "replaced")  # the first "again" game is replaced
+    assert await settled(4) == ["again", "closed", "done", "failed"]
+    host.episodes[("", "idle")].last_used -= 120
+    assert host.sweep() == 1 and await settled(5) == ["again", "closed", "done", "failed", "idle"]
+    # the failing close() was logged; the host still serves the replacing game
+    assert (await host.step(EnvStepRequest(episode_id="again", action="3"), None)).reward == 1.0
+    assert await settled(6) == ["again", "closed", "done", "failed", "idle", "replaced"]
+    host.shutdown()
+
+
 async def test_one_jobs_episode_ids_never_reach_another_jobs_games():
     """Episode ids come from request ids a job chooses; a job naming another job's
     episode id (even the exact one) must not step, close or overwrite that game."""
