@@ -6,6 +6,7 @@ commit's code alone)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -24,14 +25,33 @@ def git(*args: str) -> str:
         return ""
 
 
+def cpu() -> dict:
+    """The host's processor as util-linux's `lscpu -J` reports it: {"model", "sockets",
+    "cores_per_socket", "threads_per_core", "amx"} (two hosts that both read "x86_64 2
+    cores" can differ here, and an overlapped async run with them); {} without lscpu."""
+    try:
+        out = subprocess.run(["lscpu", "-J"], capture_output=True, text=True, check=True, timeout=10).stdout
+        fields = {row["field"].rstrip(":"): row.get("data") or "" for row in json.loads(out)["lscpu"]}
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError):
+        return {}
+
+    def count(name: str) -> int | None:
+        return int(fields[name]) if fields.get(name, "").isdigit() else None
+
+    return {"model": fields.get("Model name", ""), "sockets": count("Socket(s)"),
+            "cores_per_socket": count("Core(s) per socket"), "threads_per_core": count("Thread(s) per core"),
+            "amx": "amx_tile" in fields.get("Flags", "").split()}
+
+
 def provenance(argv: list[str] | None = None) -> dict:
-    """{"machine", "python", "date" (local, minutes), "commit" (HEAD's full id), "dirty"
-    (tracked files differ from HEAD), "command" (the script, relative to the repository,
-    and its arguments)} for the running script (`argv`, default sys.argv)."""
+    """{"machine", "cpu" (cpu()), "python", "date" (local, minutes), "commit" (HEAD's full
+    id), "dirty" (tracked files differ from HEAD), "command" (the script, relative to the
+    repository, and its arguments)} for the running script (`argv`, default sys.argv)."""
     argv = sys.argv if argv is None else argv
     script = Path(argv[0]).resolve()
     name = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else argv[0]
-    return {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
+    return {"machine": f"{platform.machine()} {os.cpu_count()} cores", "cpu": cpu(),
+            "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "commit": git("rev-parse", "HEAD"),
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "command": " ".join([name, *argv[1:]])}

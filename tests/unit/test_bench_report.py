@@ -8,6 +8,7 @@ import importlib
 import io
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -440,7 +441,9 @@ def test_a_results_record_names_its_commit_and_whether_the_tree_differed(monkeyp
     monkeypatch.setattr(prov, "git", lambda *a: calls[a[0]])
     rec = prov.provenance([str(prov.ROOT / "bench" / "x.py"), "--seeds", "0"])
     assert rec["commit"] == "0123456789abcdef" and rec["dirty"] is False
-    assert rec["command"] == "bench/x.py --seeds 0" and {"machine", "python", "date"} <= set(rec)
+    assert rec["command"] == "bench/x.py --seeds 0" and {"machine", "cpu", "python", "date"} <= set(rec)
+    if shutil.which("lscpu"):  # the host's topology, apart from the "x86_64 N cores" line
+        assert rec["cpu"]["model"] and rec["cpu"]["threads_per_core"] >= 1 and rec["cpu"]["sockets"] >= 1
     calls["status"] = " M services/learner/loss.py"
     assert prov.provenance(["bench/x.py"])["dirty"] is True
     assert prov.commit_label({"commit": "0123456789", "dirty": True}) == "commit 0123456 (uncommitted changes)"
