@@ -114,20 +114,22 @@ def check_model_ref(model: str, *, user: str, admin: bool, home: str | Path,
 
 
 def check_spec_paths(spec: JobSpec, *, user: str, admin: bool, home: str | Path,
-                     own_jobs: Iterable[str]) -> None:
+                     own_jobs: Iterable[str]) -> dict[str, str]:
     """Check that `user` may name the spec's `model`, `teacher_model` and `sft_data` (when
     set); the scheduler calls this when a job is submitted, with the submitter's name, role
     (`admin`), `home` and the ids of the submitter's jobs (`own_jobs`, see jobs_of).
 
-    Raises SpecError naming the field ("model", "teacher_model" or "sft_data") and the
-    allowed places.
+    Returns the checked form of each field set, {field: value} (check_model_ref's,
+    confine_path's real path), which is what the services are to read. Raises SpecError
+    naming the field ("model", "teacher_model" or "sft_data") and the allowed places.
     """
-    check_model_ref(spec.model, user=user, admin=admin, home=home, own_jobs=own_jobs)
-    if spec.teacher_model:
-        check_model_ref(spec.teacher_model, user=user, admin=admin, home=home, own_jobs=own_jobs,
-                        field="teacher_model")
+    rules = dict(user=user, admin=admin, home=home, own_jobs=own_jobs)
+    checked = {"model": check_model_ref(spec.model, **rules)}
+    if spec.teacher_model:  # read by the rollout worker, as `model` is
+        checked["teacher_model"] = check_model_ref(spec.teacher_model, field="teacher_model", **rules)
     if spec.sft_data:
-        confine_path(spec.sft_data, field="sft_data", user=user, admin=admin, home=home, own_jobs=own_jobs)
+        checked["sft_data"] = str(confine_path(spec.sft_data, field="sft_data", **rules))
+    return checked
 
 
 PATH_ARG_SUFFIXES = ("_dir", "_path", "_file", "_folder")

@@ -244,7 +244,7 @@ class Scheduler:
         job id. The unfinished jobs are counted, on a fresh read of the records, under
         `self.lock` with the new record's write, so parallel submits (the REST API's and
         `ot.ctl.submit`'s, both in this process) cannot all pass one count."""
-        from opentinker.services.core.access import check_model_ref, confine_env_args, confine_path, path_args
+        from opentinker.services.core.access import check_spec_paths, confine_env_args, path_args
         from opentinker.services.scheduler.envs import resolve_env_owner
 
         every = [r for r, _ in await self.records(every_pool=True)]
@@ -254,11 +254,7 @@ class Scheduler:
         try:
             # the checked form is what every service is given (a relative path resolved
             # in the user's area, symlinks resolved): what runs is what was checked
-            changes = {"model": check_model_ref(cmd.spec.model, **rules)}
-            if cmd.spec.teacher_model:  # read by the rollout worker, as `model` is
-                changes["teacher_model"] = check_model_ref(cmd.spec.teacher_model, field="teacher_model", **rules)
-            if cmd.spec.sft_data:
-                changes["sft_data"] = str(confine_path(cmd.spec.sft_data, field="sft_data", **rules))
+            changes = check_spec_paths(cmd.spec, **rules)
             source = cmd.spec.tinker_init.partition("/")[0]
             if source and not rules["admin"] and source not in rules["own_jobs"]:
                 raise SpecError("tinker_init", f"no job {source!r} of yours saved it")

@@ -118,7 +118,8 @@ def test_models_are_known_names_hub_ids_or_confined_paths(home, monkeypatch):
 
 def test_spec_paths_name_the_field(home):
     ok = JobSpec(algorithm="sft", model="HuggingFaceTB/SmolLM2-135M", sft_data="data.jsonl")
-    check_spec_paths(ok, **alice(home))
+    checked = check_spec_paths(ok, **alice(home))  # the form the services are given
+    assert checked == {"model": "HuggingFaceTB/SmolLM2-135M", "sft_data": str(user_area(home, "alice") / "data.jsonl")}
     check_spec_paths(JobSpec(), **alice(home))  # the defaults
     with pytest.raises(SpecError) as e:
         check_spec_paths(JobSpec(model=str(home / "checkpoints" / OTHER / "final")), **alice(home))
