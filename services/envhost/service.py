@@ -245,15 +245,11 @@ class EnvHost:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _drop(self, key: tuple[str, str]) -> None:
-        """Forget episode `key` (if held) and close its game (release)."""
+        """Forget episode `key` (if held) and call its game's `close()`, if it defines one,
+        in a user-code thread; not awaited, and whatever it raises is logged (the episode
+        is over either way)."""
         ep = self.episodes.pop(key, None)
-        if ep is not None:
-            self._release(ep)
-
-    def _release(self, ep: Episode) -> None:
-        """Call the game's `close()`, if it defines one, in a user-code thread; not awaited,
-        and whatever it raises is logged (its episode is over either way)."""
-        closer = getattr(ep.game, "close", None)
+        closer = getattr(ep and ep.game, "close", None)
         if callable(closer):
             with contextlib.suppress(RuntimeError):  # the pool is shut down: the host is stopping
                 self._pool.submit(_close_game, ep.env, closer)
