@@ -20,6 +20,12 @@ import pytest_asyncio
 ROOT = Path(__file__).resolve().parents[1]
 HOME = Path(os.environ.setdefault("OPENTINKER_HOME", str(ROOT / ".opentinker")))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# torch, vLLM and HF caches into the project home before anything imports them: torch's
+# inductor pins its cache dir (into os.environ, default /tmp/torchinductor_<user>) the
+# first time it asks, which a fixture would come too late for
+from opentinker.services.core.config import setup_cache_dirs  # noqa: E402
+
+setup_cache_dirs(str(HOME))
 # the admin key of this test session: schedulers started by the tests bootstrap it, and
 # the SDK and CLI (in-process and subprocesses) authenticate with it
 if not os.environ.get("OPENTINKER_ADMIN_KEY"):

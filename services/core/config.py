@@ -39,6 +39,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "auto": on with CUDA; off on CPU, where vLLM's LoRA kernels made generation
     # several times slower than merging (bench/multi_lora.py, results in bench/RESULTS.md)
     vllm_multi_lora: Literal["auto", "on", "off"] = "auto"
+    # the transformers engine's decoding (engine_hf.HFEngine): "compiled" decodes into a
+    # static KV cache under torch.compile with CUDA graphs (a compile per shape, once per
+    # engine), "static" the same cache without the compile, "dynamic" a growing cache.
+    # "auto": compiled on CUDA, dynamic on a CPU (inductor's compile takes minutes there)
+    hf_decode: Literal["auto", "dynamic", "static", "compiled"] = "auto"
     lora_max_rank: int = 64
     # a rollout worker's OpenAI-compatible endpoint for inference jobs (-1: none, 0: a
     # free port); `serve_url` is what it advertises (default http://<serve_host>:<port>)
@@ -162,6 +167,9 @@ def setup_cache_dirs(home: str) -> None:
                      ("TRITON_CACHE_DIR", "triton"), ("HF_HOME", "hf"),
                      ("TORCH_EXTENSIONS_DIR", "torch_extensions"), ("XDG_CACHE_HOME", "xdg")):
         os.environ.setdefault(var, str(cache / sub))
+    # inductor's precompiled headers (CPU kernels) go to /tmp/torchinductor_<user> whatever
+    # TORCHINDUCTOR_CACHE_DIR says (torch 2.13 codecache._HEADER_DIR): none, so none there
+    os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
 
 
 def main_settings(service: str, argv: list[str] | None = None) -> Settings:

@@ -22,6 +22,26 @@ from opentinker.services.core.models import load_policy_model, load_processor, v
 from opentinker.services.rollout.agent_loop import GenOut
 
 MAX_BATCH = 64  # rows per forward pass; bounds the KV cache on a small machine
+DECODES = ("dynamic", "static", "compiled")
+CACHE_BLOCK = 128  # a static cache's length is rounded up to a multiple of this
+CACHES_KEPT = 4    # static caches kept (the most recently used shapes)
+
+
+def resolve_decode(decode: str, device: str) -> str:
+    """The decoding an HFEngine runs: "auto" is "compiled" on CUDA and "dynamic" on a
+    CPU (where inductor's compile took minutes and CUDA graphs do not exist); any other
+    value is itself. Raises ValueError for a name not in DECODES."""
+    if decode == "auto":
+        return "compiled" if str(device).startswith("cuda") else "dynamic"
+    if decode not in DECODES:
+        raise ValueError(f"`hf_decode`: {decode!r} is not one of auto, {', '.join(DECODES)}")
+    return decode
+
+
+def bucket(n: int) -> int:
+    """The batch size a static-shape decode runs `n` rows at: the next power of two
+    (at most MAX_BATCH), so a compiled decode meets a handful of shapes, not every n."""
+    return min(1 << max(n - 1, 0).bit_length(), MAX_BATCH) if n <= MAX_BATCH else n
 
 
 def stop_token_ids(generation_config, tokenizer) -> set[int]:
@@ -74,17 +94,35 @@ class HFEngine:
     `processor`: a vision-language model's processor (None for a text model); its
     prompts hold each image's placeholder tokens already expanded, and the images go
     to the prefill forward as pixel values.
+
+    `decode` (resolve_decode): "dynamic" grows transformers' DynamicCache token by
+    token; "static" decodes into a preallocated StaticCache, kept per (batch bucket,
+    length) and reset between calls; "compiled" is static with the one-token decode
+    forward under torch.compile(mode="reduce-overhead"): CUDA graphs replay the whole
+    forward, as transformers' own generate does with cache_implementation="static"
+    (its docs, "Static cache and torch.compile"). The prefill stays eager. The
+    compile is paid once per shape bucket, at its first generate; weight loads copy
+    into the same parameters in place, so the graphs stay valid across policy
+    versions. A text model only: a vision model decodes dynamic.
+    LoRA weights are merged where the weights live: `base_weights` hands out W0 on the
+    engine's device and `merge_dtype` is the engine's dtype, so a LoRA version's load
+    is the adapter's bytes plus one matmul per weight on the device, with no copy of
+    the model through the host.
     """
 
     name = "hf"
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
-                 max_model_len: int = 2048):
+                 max_model_len: int = 2048, decode: str = "dynamic"):
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.processor = load_processor(model)
         self.model = load_policy_model(model, dtype=getattr(torch, dtype)).to(device)
         self.model.eval()
         self.device = torch.device(device)
+        self.merge_dtype = self.model.dtype  # a merged LoRA weight is rounded once, to what the engine holds
+        self.decode = "dynamic" if self.processor is not None else resolve_decode(decode, device)
+        self._caches: dict[tuple[int, int], object] = {}  # (batch bucket, length) -> StaticCache
+        self._decode_step = None  # the compiled one-token forward ("compiled")
         cfg = self.model.config.get_text_config()
         self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
         self.stop_ids = stop_token_ids(self.model.generation_config, self.tokenizer)
@@ -143,16 +181,30 @@ class HFEngine:
         top_p = torch.tensor([s.top_p for s in sps], dtype=torch.float32, device=self.device)
         top_k = torch.tensor([s.top_k for s in sps], dtype=torch.int64, device=self.device)
 
+        static = self.decode != "dynamic"
+        if static:  # padding rows up to the bucket: one prompt token each, never read
+            rows = bucket(b)
+            length = -(-(width + max(limits)) // CACHE_BLOCK) * CACHE_BLOCK
+            cache = self._static_cache(rows, length)
+            pad = rows - b
+            ids = torch.cat([ids, ids.new_full((pad, width), self.pad_id)])
+            attn = torch.cat([attn, attn.new_zeros((pad, width))])
+            attn[b:, -1] = 1
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            full = attn.new_zeros((rows, length))  # the whole cache's mask, one fixed shape
+            full[:, :width] = attn
+            temp, top_p, top_k = (torch.cat([x, x[-1:].expand(pad)]) for x in (temp, top_p, top_k))
+            step = self._decode_step or self.model
         # the images go to the prefill only: the KV cache holds them after it
         res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **self._vision(images))
+                         past_key_values=cache if static else None, **self._vision(images))
         tokens: list[list[int]] = [[] for _ in range(b)]
         logprobs: list[list[float]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         live = [True] * b
-        for _ in range(max(limits)):
+        for n in range(max(limits)):
             tok, lp = sample(res.logits[:, -1].float(), temp, top_p, self.generator, top_k)
-            for i, (t, logp) in enumerate(zip(tok.tolist(), lp.tolist())):
+            for i, (t, logp) in enumerate(zip(tok[:b].tolist(), lp[:b].tolist())):
                 if not live[i]:
                     continue
                 tokens[i].append(t)
@@ -163,11 +215,35 @@ class HFEngine:
                     live[i] = False
             if not any(live):
                 break
-            attn = torch.cat([attn, attn.new_ones((b, 1))], dim=1)
             pos = pos[:, -1:] + 1
-            res = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
-                             past_key_values=res.past_key_values, use_cache=True, logits_to_keep=1)
+            if static:
+                full[:, width + n] = 1
+                res = step(input_ids=tok[:, None], attention_mask=full, position_ids=pos,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+            else:
+                attn = torch.cat([attn, attn.new_ones((b, 1))], dim=1)
+                res = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                                 past_key_values=res.past_key_values, use_cache=True, logits_to_keep=1)
         return [GenOut(t, lps, r) for t, lps, r in zip(tokens, logprobs, reasons)]
+
+    def _static_cache(self, rows: int, length: int):
+        """The StaticCache of (rows, length), reset; made at first use and kept (its
+        tensors keep their addresses, which CUDA graphs replay). The compiled decode
+        forward is made with the first one."""
+        from transformers import StaticCache
+
+        cache = self._caches.pop((rows, length), None)
+        if cache is None:
+            while len(self._caches) >= CACHES_KEPT:
+                self._caches.pop(next(iter(self._caches)))
+            cache = StaticCache(config=self.model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        self._caches[(rows, length)] = cache  # last: the most recently used
+        if self.decode == "compiled" and self._decode_step is None:
+            # transformers' CompileConfig defaults: inductor, reduce-overhead, not fullgraph
+            self._decode_step = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
+        return cache
 
     @torch.inference_mode()
     def prompt_logprobs(self, prompts: list[list[int]],
@@ -219,24 +295,26 @@ class HFEngine:
             if p.shape != t.shape:
                 raise ValueError(f"parameter {name!r} is {tuple(p.shape)}, the update is {tuple(t.shape)}")
             if name not in self._w0:
-                self._w0[name] = p.detach().to("cpu", copy=True)
+                self._w0[name] = p.detach().clone()
             p.copy_(t)
 
 
 class _LoadedWeights(Mapping[str, torch.Tensor]):
-    """An HFEngine's weights as loaded (W0) by parameter name: the kept value of a
-    changed parameter, else the parameter itself (a CPU copy)."""
+    """An HFEngine's weights as loaded (W0) by parameter name, on the engine's device:
+    the value a parameter had before its first change, kept from the first time it is
+    read here or loaded (a copy of each weight a policy changes, never of the rest)."""
 
     def __init__(self, engine: HFEngine):
         self.engine = engine
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self.engine._w0:
-            return self.engine._w0[name]
-        try:
-            return self.engine.model.get_parameter(name).detach().to("cpu", copy=True)
-        except AttributeError:
-            raise KeyError(name) from None
+        w0 = self.engine._w0
+        if name not in w0:
+            try:
+                w0[name] = self.engine.model.get_parameter(name).detach().clone()
+            except AttributeError:
+                raise KeyError(name) from None
+        return w0[name]
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str) or name in self.engine._w0:

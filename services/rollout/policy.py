@@ -108,6 +108,8 @@ class EngineSlot:
         # learner sends), else the model folder's safetensors
         own = getattr(engine, "base_weights", None)
         self.base = own if own is not None else BaseWeights(model_dir)
+        # what a merged LoRA weight is rounded to (None: float32, the engine's load rounds)
+        self.merge_dtype = getattr(engine, "merge_dtype", None)
         self.held = HeldWeights(self.base, engine.packed_modules)
         self.holding: PolicyId = BASE
         self.updates: OrderedDict[str, tuple[PolicyId, dict[str, torch.Tensor]]] = OrderedDict()
@@ -282,7 +284,7 @@ class PolicyTracker:
         tensors = decode_tensors(data)
         if ev.kind == "lora":
             pairs = lora_pairs(tensors)
-            return merge_lora(slot.base, pairs, lora_scale(ev.lora_alpha, ev.lora_rank, pairs))
+            return merge_lora(slot.base, pairs, lora_scale(ev.lora_alpha, ev.lora_rank, pairs), slot.merge_dtype)
         # a tied lm_head is not in the base checkpoint but is a name learners save
         unknown = sorted(set(tensors) - set(slot.base) - {"lm_head.weight"})
         if unknown:

@@ -247,7 +247,7 @@ class RolloutWorker:
         from opentinker.services.rollout.engine_hf import HFEngine
 
         return HFEngine(model_dir, device=self.device, dtype=dtype, seed=self.seed,
-                        max_model_len=MAX_MODEL_LEN)
+                        max_model_len=MAX_MODEL_LEN, decode=self.settings.hf_decode)
 
     # -- requests --
 

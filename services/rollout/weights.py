@@ -95,8 +95,8 @@ def merge_lora(base: Mapping[str, torch.Tensor],
                pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
                scale: float, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """W = W0 + scale * B @ A for every adapted weight, computed in float32 (W0
-    upcast) and rounded once: to `dtype`, the engine's, when given; else left in
-    float32, for the engine's load to round into whatever it holds.
+    upcast) on W0's device and rounded once: to `dtype`, the engine's, when given; else
+    left in float32, for the engine's load to round into whatever it holds.
 
     base:  W0 by name ([out, in]); pairs: from `lora_pairs`; scale = lora_alpha / r
     (LoRA, arXiv 2106.09685 eq. 3 and §4.1). Starts from W0 every time, so merging
@@ -116,7 +116,8 @@ def merge_lora(base: Mapping[str, torch.Tensor],
         if (b.shape[0], a.shape[1]) != tuple(w0.shape):
             raise WeightsError(f"adapter for {name!r} is {b.shape[0]}x{a.shape[1]}, "
                                f"the base weight is {tuple(w0.shape)}")
-        merged = w0.to(torch.float32) + scale * (b.to(torch.float32) @ a.to(torch.float32))
+        # on W0's device: an engine whose weights live on the GPU merges there
+        merged = w0.to(torch.float32) + scale * (b.to(w0.device, torch.float32) @ a.to(w0.device, torch.float32))
         out[name] = merged if dtype is None else merged.to(dtype)
     return out
 

@@ -90,3 +90,72 @@ def test_prompt_top_k_are_the_k_most_likely_tokens_most_likely_first_and_hold_th
     assert ids[1:].tolist() == ref.indices.tolist()
     assert torch.allclose(torch.from_numpy(top[1:]), ref.values, atol=1e-5)
     assert all((top[t, :-1] >= top[t, 1:]).all() and top[t, 0] >= lps[t] - 1e-6 for t in range(1, len(prompt)))
+
+
+def test_resolve_decode_and_batch_buckets():
+    from opentinker.services.rollout.engine_hf import MAX_BATCH, bucket, resolve_decode
+
+    assert resolve_decode("auto", "cuda") == resolve_decode("auto", "cuda:1") == "compiled"
+    assert resolve_decode("auto", "cpu") == "dynamic" and resolve_decode("static", "cpu") == "static"
+    with pytest.raises(ValueError, match="hf_decode"):
+        resolve_decode("fast", "cpu")
+    assert [bucket(n) for n in (1, 2, 3, 5, 32, 33, MAX_BATCH)] == [1, 2, 4, 8, 32, 64, MAX_BATCH]
+
+
+@pytest.mark.parametrize("decode", ["static", "compiled"])
+def test_static_and_compiled_decoding_match_the_dynamic_cache(tiny_model, decode):
+    """The same greedy tokens and logprobs as the growing cache, for batches of other
+    shapes through one engine (padded rows never leak), and after a weight load: the
+    compiled forward reads the parameters loaded in place (compiled: ~27 s of
+    inductor's compile on a 2-core CPU)."""
+    from opentinker.services.rollout.engine_hf import HFEngine
+
+    dyn, eng = HFEngine(tiny_model, seed=0), HFEngine(tiny_model, seed=0, decode=decode)
+    assert eng.decode == decode
+    tok = eng.tokenizer
+    prompts = [tok(t, add_special_tokens=False)["input_ids"]
+               for t in ("Hello there", "A much longer prompt, with more words in it", "x")]
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    name = "model.layers.1.mlp.down_proj.weight"
+    w = eng.model.get_parameter(name).detach().clone()
+    before = None
+    runs = [(prompts, [12, 5, 9], False), (prompts[:1], [7], False), (prompts, [6, 6, 6], True)]
+    if decode == "compiled":
+        del runs[1]  # one shape: one compile (~27 s here), not two
+    for batch, caps, changed in runs:
+        if changed:  # a new policy version: both engines load it in place
+            for e in (dyn, eng):
+                e.load_weights({name: w * -3.0})
+        a, b = dyn.generate(batch, greedy, max_new_tokens=caps), eng.generate(batch, greedy, max_new_tokens=caps)
+        assert [o.token_ids for o in b] == [o.token_ids for o in a]
+        assert [len(o.token_ids) for o in b] == caps
+        for x, y in zip(a, b):
+            assert torch.allclose(torch.tensor(y.logprobs), torch.tensor(x.logprobs), atol=1e-4)
+        before = before or a
+    assert [o.token_ids for o in a] != [o.token_ids[:6] for o in before]  # the load did change the policy
+    assert len(eng._caches) == len(runs) - 1  # (4 rows, 128 tokens), and (1 row, 128)
+
+
+def test_lora_merges_on_the_engines_device_in_its_dtype(tiny_model):
+    """base_weights is the engine's own W0, where its weights live, kept from before
+    the first change; the merge is rounded once, to the engine's dtype."""
+    from conftest import make_lora
+
+    from opentinker.services.rollout.engine_hf import HFEngine
+    from opentinker.services.rollout.weights import lora_pairs, lora_scale, merge_lora
+
+    eng = HFEngine(tiny_model, dtype="bfloat16")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    w0 = eng.base_weights[name]
+    assert w0.device == eng.device and w0.dtype == torch.bfloat16
+    assert w0.data_ptr() != eng.model.get_parameter(name).data_ptr()  # a copy, not the live parameter
+    sd, _ = make_lora(tiny_model, r=4, alpha=8, std=0.05, seed=0)
+    pairs = lora_pairs(sd)
+    merged = merge_lora(eng.base_weights, pairs, lora_scale(8, 4, pairs), eng.merge_dtype)
+    assert merged[name].dtype == torch.bfloat16 and merged[name].device == eng.device
+    eng.load_weights(merged)
+    a, b = pairs[name]
+    expect = (w0.float() + 2.0 * (b.float() @ a.float())).to(torch.bfloat16)
+    assert torch.equal(eng.model.get_parameter(name), expect)
+    assert torch.equal(eng.base_weights[name], w0)  # W0 survives the load: the next merge starts from it
+    assert torch.equal(merge_lora(eng.base_weights, pairs, 2.0, eng.merge_dtype)[name], expect)
