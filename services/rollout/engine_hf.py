@@ -10,6 +10,7 @@ logprobs_mode="processed_logprobs": logits / temperature, top-k filtered (Fan et
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -20,6 +21,8 @@ from opentinker.schemas import SamplingParams
 from opentinker.schemas.tinker import TOPK_MASK_LOGPROB
 from opentinker.services.core.models import load_policy_model, load_processor, vision_inputs
 from opentinker.services.rollout.agent_loop import GenOut
+
+log = logging.getLogger("opentinker.rollout")
 
 MAX_BATCH = 64  # rows per forward pass; bounds the KV cache on a small machine
 DECODES = ("dynamic", "static", "compiled")
@@ -123,6 +126,7 @@ class HFEngine:
         self.decode = "dynamic" if self.processor is not None else resolve_decode(decode, device)
         self._caches: dict[tuple[int, int], object] = {}  # (batch bucket, length) -> StaticCache
         self._decode_step = None  # the compiled one-token forward ("compiled")
+        self._compiled_ok = False  # whether it has run a whole generation
         cfg = self.model.config.get_text_config()
         self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
         self.stop_ids = stop_token_ids(self.model.generation_config, self.tokenizer)
@@ -159,7 +163,19 @@ class HFEngine:
         out: list[GenOut] = []
         for at in range(0, len(prompts), MAX_BATCH):
             sl = slice(at, at + MAX_BATCH)
-            out += self._generate(prompts[sl], sps[sl], limits[sl], [b for x in imgs[sl] for b in x])
+            args = (prompts[sl], sps[sl], limits[sl], [b for x in imgs[sl] for b in x])
+            try:
+                out += self._generate(*args)
+            except Exception as e:  # noqa: BLE001 - the compile's own failure, whatever its type
+                if self.decode != "compiled" or self._compiled_ok:
+                    raise
+                # a model or torch build the compile cannot take: decode eagerly instead
+                log.warning("torch.compile of the decode step failed (%s: %s); decoding without it",
+                            type(e).__name__, e)
+                self.decode, self._decode_step = "static", None
+                self._caches.clear()
+                out += self._generate(*args)
+            self._compiled_ok = self.decode == "compiled"
         return out
 
     def _vision(self, images: list[bytes]) -> dict[str, torch.Tensor]:

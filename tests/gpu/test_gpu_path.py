@@ -2,7 +2,8 @@
 device): the DeepSpeed learner on CUDA against the same step on CPU (and a CPU learner
 refused in a process whose DeepSpeed took CUDA), the bf16 learner (and `dtype = "auto"`
 resolving to it),
-vLLM's CUDA engine with an in-place weight reload, and the data-parallel learner on
+vLLM's CUDA engine with an in-place weight reload, the transformers engine's compiled
+decode and on-GPU LoRA merge, and the data-parallel learner on
 every GPU (one rank each, nccl) against one rank."""
 
 from __future__ import annotations
@@ -119,6 +120,39 @@ def test_vllm_on_cuda_generates_and_scores_a_reload_as_a_fresh_engine(tiny_model
     finally:
         del engine
         gc.collect()
+
+
+@pytest.mark.timeout(900)
+def test_the_transformers_engine_on_cuda_decodes_compiled_and_merges_lora_on_the_gpu(tiny_model):
+    """hf_decode "auto" on CUDA is the compiled static-cache decode: the same greedy
+    tokens as the growing cache, before and after a LoRA version merged on the GPU
+    (W0 and the merged weights never leave the device)."""
+    from conftest import make_lora
+
+    from opentinker.schemas import SamplingParams
+    from opentinker.services.rollout.engine_hf import HFEngine
+    from opentinker.services.rollout.weights import lora_pairs, lora_scale, merge_lora
+
+    dyn = HFEngine(tiny_model, device="cuda", decode="dynamic")
+    eng = HFEngine(tiny_model, device="cuda", decode="auto")
+    assert eng.decode == "compiled"
+    sd, peft_merged = make_lora(tiny_model, r=4, alpha=8, std=0.05, seed=0)
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+    prompts = [list(range(10, 40)), list(range(50, 60)), list(range(7, 30))]
+    for version in (0, 1):
+        if version:
+            pairs = lora_pairs(sd)
+            for e in (dyn, eng):
+                merged = merge_lora(e.base_weights, pairs, lora_scale(8, 4, pairs), e.merge_dtype)
+                assert all(t.is_cuda for t in merged.values())
+                e.load_weights(merged)
+            for name in pairs:
+                assert torch.allclose(eng.model.get_parameter(name).cpu(), peft_merged.get_parameter(name), atol=1e-5)
+        a, b = dyn.generate(prompts, greedy), eng.generate(prompts, greedy)
+        assert [o.token_ids for o in b] == [o.token_ids for o in a], version
+        assert eng.decode == "compiled" and eng._compiled_ok
+    del dyn, eng
+    gc.collect()
 
 
 @pytest.mark.timeout(900)

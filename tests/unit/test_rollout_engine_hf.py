@@ -159,3 +159,20 @@ def test_lora_merges_on_the_engines_device_in_its_dtype(tiny_model):
     assert torch.equal(eng.model.get_parameter(name), expect)
     assert torch.equal(eng.base_weights[name], w0)  # W0 survives the load: the next merge starts from it
     assert torch.equal(merge_lora(eng.base_weights, pairs, 2.0, eng.merge_dtype)[name], expect)
+
+
+def test_a_decode_step_the_compile_cannot_take_falls_back_to_the_static_cache(tiny_model, monkeypatch, caplog):
+    from opentinker.services.rollout.engine_hf import HFEngine
+
+    def broken(fn, **kw):
+        def call(*a, **k):
+            raise RuntimeError("inductor: no backend for this op")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    dyn, eng = HFEngine(tiny_model), HFEngine(tiny_model, decode="compiled")
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    with caplog.at_level("WARNING", logger="opentinker.rollout"):
+        out = eng.generate([[5, 6, 7], [8, 9]], greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in dyn.generate([[5, 6, 7], [8, 9]], greedy)]
+    assert eng.decode == "static" and "decoding without it" in caplog.text
