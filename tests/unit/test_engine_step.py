@@ -213,3 +213,20 @@ def test_a_kl_term_reports_the_kl_to_the_reference(tiny_model, rank_env):
         assert eng.train_step(mbs, [[0, 1, 2, 3]], [tot], [1e-3])["kl"] > 0  # one update later it is not
     finally:
         eng.close()
+
+
+def test_the_gradient_norm_is_the_float32_norm_of_every_gradient(tiny_model, rank_env):
+    eng = _engine(tiny_model, dtype="bfloat16", algorithm="tinker")  # stage 0: the norm is the engine's own
+    try:
+        params = [p for p in eng.module.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        for i, p in enumerate(params[:3]):
+            p.grad = torch.full_like(p, 0.5 * (i + 1))  # exact in bfloat16
+        expect = sum((0.5 * (i + 1)) ** 2 * p.numel() for i, p in enumerate(params[:3])) ** 0.5
+        assert abs(eng._grad_norm() - expect) <= 1e-6 * expect
+        for p in params:
+            p.grad = None
+        assert eng._grad_norm() == 0.0
+    finally:
+        eng.close()
