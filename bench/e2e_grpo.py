@@ -106,8 +106,9 @@ def resolved(spec: dict[str, Any]):
 # -- TRL ----------------------------------------------------------------------------
 
 
-def run_trl(spec, model_path: str, pass1_k: int) -> dict[str, Any]:
-    """TRL GRPOTrainer on the spec's problems, model, LoRA and hyperparameters."""
+def run_trl(spec, model_path: str, pass1_k: int, device: str = "cpu") -> dict[str, Any]:
+    """TRL GRPOTrainer on the spec's problems, model, LoRA and hyperparameters, on
+    `device` ("cpu" or "cuda"; its generation is transformers' in both)."""
     import torch
     import trl
     from datasets import Dataset
@@ -148,17 +149,17 @@ def run_trl(spec, model_path: str, pass1_k: int) -> dict[str, Any]:
         def on_step_end(self, args, state, control, **kw):
             clock["ends"].append(time.time())
 
-    engine = HFEngine(model_path, seed=spec.seed)
+    engine = HFEngine(model_path, seed=spec.seed, device=device)
     print("trl: evaluating the base model in process", flush=True)
     base_eval = evaluate_in_process(engine, spec, 0)
     base_pass1 = sampled_pass1(engine, spec, 0, pass1_k) if pass1_k else None
     s, n = spec.sampling, spec.prompts_per_step * spec.group_size
-    learner_dtype = resolve_dtype(spec.dtype, "cpu")  # "auto": bfloat16 on a CPU with AMX
+    learner_dtype = resolve_dtype(spec.dtype, device)  # "auto": bfloat16 on CUDA or a CPU with AMX
     cfg = GRPOConfig(
         output_dir=str(ROOT / "bench" / "results" / "tmp" / "trl"), per_device_train_batch_size=n,
         num_generations=spec.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
         top_p=s.top_p, learning_rate=spec.lr, beta=spec.kl_coef, epsilon=spec.clip_range, max_steps=spec.steps,
-        max_grad_norm=spec.max_grad_norm, weight_decay=spec.weight_decay, logging_steps=1, use_cpu=True,
+        max_grad_norm=spec.max_grad_norm, weight_decay=spec.weight_decay, logging_steps=1, use_cpu=device == "cpu",
         report_to=[], save_strategy="no", seed=spec.seed, gradient_accumulation_steps=1,
         shuffle_dataset=False, lr_scheduler_type="constant", warmup_steps=0,
         # the learner's precision, as ours: a bfloat16 `dtype` loads TRL's policy in
@@ -355,11 +356,12 @@ async def measure_bus(trajs: list, rounds: int) -> dict[str, Any]:
 
 def run_opentinker(keys: list[str], base: dict, steps: int, eval_episodes: int, warmup: bool,
                    timeout_s: float, bus_rounds: int, model_path: str,
-                   pass1_k: int) -> tuple[dict[str, dict], dict, dict]:
+                   pass1_k: int, device: str = "cpu") -> tuple[dict[str, dict], dict, dict]:
     from opentinker.ops.stack import Stack
 
     home = fresh_home("e2e-grpo")
     os.environ["OPENTINKER_HOME"] = str(home)
+    os.environ["OPENTINKER_DEVICE"] = device  # every service of the stack
     exporters = [x.strip() for x in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")
                  if x.strip() not in ("", "none")]
     os.environ["OTEL_TRACES_EXPORTER"] = ",".join(dict.fromkeys(exporters + ["console"]))
@@ -395,7 +397,7 @@ def run_opentinker(keys: list[str], base: dict, steps: int, eval_episodes: int, 
         adapter = home / "checkpoints" / str(res.get("job_id")) / "final"
         if adapter.exists():  # the stack is down: the cores are the evaluation's
             print(f"{k}: evaluating the final adapter in process (TRL's evaluation path)", flush=True)
-            greedy, pass1 = evaluate_adapter(model_path, adapter, jobspecs[k], steps, pass1_k)
+            greedy, pass1 = evaluate_adapter(model_path, adapter, jobspecs[k], steps, pass1_k, device)
             res.update(same_engine_fields(greedy), **pass1_fields(pass1))
         systems[k] = res
     return systems, breakdown, bus
@@ -464,10 +466,15 @@ def main() -> None:
     p.add_argument("--no-warmup", action="store_true", help="no 1-step warm-up job before the OpenTinker runs")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per OpenTinker job")
     p.add_argument("--bus-rounds", type=int, default=5)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where every system trains and generates (auto: cuda when there is one)")
     args = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OPENTINKER_HOME", str(ROOT / ".opentinker"))
     keys = parse_only(args.only)
+    import torch
+
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
 
     from opentinker.cli.common import load_job_config
     from opentinker.services.core.models import resolve_model
@@ -487,18 +494,18 @@ def main() -> None:
         breakdown = {k: v for k, v in old.get("step_breakdown", {}).items() if k not in keys}
         bus = old.get("bus", {}) if not {"sync", "async"} & set(keys) else {}
     if "trl" in keys:
-        systems["trl"] = run_trl(eval_spec, model_path, args.pass1_samples)
+        systems["trl"] = run_trl(eval_spec, model_path, args.pass1_samples, device)
     ot = [k for k in keys if k != "trl"]
     if ot:
         got, bd, bus = run_opentinker(ot, base, steps, args.eval_episodes, not args.no_warmup, args.timeout,
-                                      args.bus_rounds, model_path, args.pass1_samples)
+                                      args.bus_rounds, model_path, args.pass1_samples, device)
         systems.update(got)
         breakdown.update(bd)
     systems = {k: systems[k] for k in SYSTEMS if k in systems}
     from provenance import provenance
 
     out = {**provenance(), "versions": _versions(),
-           "config": os.path.relpath(args.config, ROOT), "sets": args.set, "steps": steps,
+           "config": os.path.relpath(args.config, ROOT), "sets": args.set, "steps": steps, "device": device,
            "threshold": R.THRESHOLD, "window": R.WINDOW, "eval_episodes": args.eval_episodes,
            "systems": systems, "ratios": R.ratio_table(systems), "step_breakdown": breakdown, "bus": bus,
            "not_measured": {k: [c for c, r in b["categories"].items() if r["s_per_step"] is None]

@@ -104,7 +104,7 @@ def per_problem(spec, reqs, groups) -> dict[str, list[int]]:
 
 
 def evaluate_adapter(model_path: str, adapter_dir: Path, spec, version: int,
-                     pass1_k: int = 0) -> tuple[dict[str, Any], dict[str, Any] | None]:
+                     pass1_k: int = 0, device: str = "cpu") -> tuple[dict[str, Any], dict[str, Any] | None]:
     """An OpenTinker job's final LoRA adapter (the learner's `final` checkpoint, peft's
     format), merged into the base model and evaluated exactly as TRL's model is
     (evaluate_in_process on the transformers engine), so the held-out comparison uses
@@ -116,7 +116,7 @@ def evaluate_adapter(model_path: str, adapter_dir: Path, spec, version: int,
 
     from opentinker.services.rollout.engine_hf import HFEngine
 
-    engine = HFEngine(model_path, seed=spec.seed)
+    engine = HFEngine(model_path, seed=spec.seed, device=device)
     merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
                                        str(adapter_dir)).merge_and_unload()
     params = dict(engine.model.named_parameters())

@@ -4,7 +4,7 @@
 # network: they come as wheels in .whl/ (ignored: `.git/info/exclude` holds /.whl/),
 # carried beside the working tree, and the tests' tiny model is made there from the
 # tokenizer carried in .whl/tiny-tokenizer/ (no download). Run from the repo root:
-#     bash scripts/gpu_check.sh
+#     bash scripts/gpu_check.sh [--bench]
 # Writes $OUT/gpu_tests.log (pytest -v), $OUT/junit.xml, $OUT/env.txt and
 # $OUT/gpu_check.json (commit, date, device, passed/skipped/failed/errors, wall seconds);
 # $OUT defaults to /tmp/gpu_check_out. Meant to end within about 6 minutes.
@@ -105,4 +105,13 @@ summary["pytest_summary"] = last[-1].strip("= ") if last else ""
 json.dump(summary, open(os.path.join(os.environ["OUTDIR"], "gpu_check.json"), "w"), indent=1)
 print(json.dumps({k: v for k, v in summary.items() if k != "tests"}))
 EOF
+
+# 6. with --bench: bench/gpu_bench.py (generation against transformers' own, weight sync at
+#    1.7B, the learner against a plain step, TRL against OpenTinker end to end), bounded
+#    too; its results file lands in $OUT/gpu_bench.json
+if [ "${1:-}" = "--bench" ]; then
+    timeout -k 15 "${BENCH_S:-480}" python3 bench/gpu_bench.py --tokenizer "$ROOT/.whl/tiny-tokenizer" --reps 3 \
+        --scratch "$WORK" --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
+    echo "gpu_bench exit ${PIPESTATUS[0]}"
+fi
 exit $RC
