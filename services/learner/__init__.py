@@ -11,6 +11,7 @@
     sft.py              an SFT run (SFTRun): a dataset file or a query over the log
     evaluation.py       periodic evaluation episodes and their metrics
     loss.py             the GRPO objective and turn-level credit
+    ds_config.py        a job's DeepSpeed config (ZeRO stage, precision, accumulation)
     batching.py         trajectories -> padded tensors and advantages
     checkpoint.py       save / resume through the object store
     engine_deepspeed.py the only module importing deepspeed

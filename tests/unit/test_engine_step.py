@@ -108,7 +108,7 @@ def test_a_bfloat16_learner_sums_micro_batch_gradients_in_float32():
     significant bits); the config asks DeepSpeed for float32 sums (`data_types.
     grad_accum_dtype`), which it gives under ZeRO only, so stage 0 runs at stage 1. A
     float32 learner, and a tinker session (stage 0, .grad across calls), are unchanged."""
-    from opentinker.services.learner.engine_deepspeed import deepspeed_config
+    from opentinker.services.learner.ds_config import deepspeed_config
 
     for stage in (0, 1, 2, 3):
         c = deepspeed_config(JobSpec(zero_stage=stage), 1, "bfloat16")
