@@ -58,13 +58,15 @@ def stop_token_ids(generation_config, tokenizer) -> set[int]:
     return ids
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None,
            generator: torch.Generator | None = None,
            top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return (token [B] int64, logprob [B] float32).
 
-    logits: [B, V] float32; temperature, top_p: [B]; top_k: [B] int64 or None (k <= 0
-    keeps every token). A row with temperature 0 is greedy. The logprob is
+    logits: [B, V] float32; temperature, top_p: [B] (top_p None: 1 for every row); top_k:
+    [B] int64 or None (k <= 0 keeps every token). A caller that knows no row filters
+    passes None: each check of a tensor here is a wait for the device. A row with
+    temperature 0 is greedy. The logprob is
     log softmax(logits / T) after top-k filtering (the k highest logits kept; ties at
     the k-th are kept too) and then top-p filtering (the smallest set of tokens whose
     probability mass reaches top_p is kept), as vLLM applies them.
@@ -75,7 +77,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         k = torch.where(top_k > 0, top_k, x.shape[-1]).clamp(max=x.shape[-1])
         kth = x.topk(int(k.max()), -1).values.gather(-1, (k - 1)[:, None])  # the k-th largest, per row
         x = x.masked_fill(x < kth, float("-inf"))
-    if bool((top_p < 1).any()):
+    if top_p is not None and bool((top_p < 1).any()):
         sorted_x, order = x.sort(-1, descending=True)
         probs = sorted_x.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
@@ -196,6 +198,7 @@ class HFEngine:
         temp = torch.tensor([s.temperature for s in sps], dtype=torch.float32, device=self.device)
         top_p = torch.tensor([s.top_p for s in sps], dtype=torch.float32, device=self.device)
         top_k = torch.tensor([s.top_k for s in sps], dtype=torch.int64, device=self.device)
+        nucleus, k_filter = any(s.top_p < 1 for s in sps), any(s.top_k > 0 for s in sps)
 
         static = self.decode != "dynamic"
         if static:  # padding rows up to the bucket: one prompt token each, never read
@@ -219,8 +222,11 @@ class HFEngine:
         reasons = ["length"] * b
         live = [True] * b
         for n in range(max(limits)):
-            tok, lp = sample(res.logits[:, -1].float(), temp, top_p, self.generator, top_k)
-            for i, (t, logp) in enumerate(zip(tok[:b].tolist(), lp[:b].tolist())):
+            tok, lp = sample(res.logits[:, -1].float(), temp, top_p if nucleus else None, self.generator,
+                             top_k if k_filter else None)
+            # one transfer from the device a step: ids are exact in float64
+            toks, lps = torch.stack([tok[:b].double(), lp[:b].double()]).tolist()
+            for i, (t, logp) in enumerate(zip(map(int, toks), lps)):
                 if not live[i]:
                     continue
                 tokens[i].append(t)

@@ -24,6 +24,10 @@ def test_top_p_keeps_the_nucleus_and_renormalizes():
     assert tok.tolist() == [0, 0, 0]  # temperature 0 is greedy
     tok, lp = sample(logits[:2000], torch.full((2000,), 2.0), torch.ones(2000), g)
     assert torch.allclose(lp, (logits[0] / 2).log_softmax(-1)[tok], atol=1e-5)
+    # top_p None (no row filters) is top_p 1 without looking at it: the same draws
+    a = sample(logits, torch.ones(2000), torch.ones(2000), torch.Generator().manual_seed(1))
+    b = sample(logits, torch.ones(2000), None, torch.Generator().manual_seed(1))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_top_k_keeps_the_k_most_likely_tokens_and_renormalizes():
