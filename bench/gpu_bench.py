@@ -465,6 +465,50 @@ def main() -> None:
     print(f"written to {out}")
 
 
+TARGETS = {"gen": 1.5, "sync_lora_s": 0.2, "learner": 1.1, "e2e_async_vs_trl": 2.5}  # issue 33's acceptance
+
+
+def report(res: dict[str, Any]) -> str:
+    """A results file as a markdown table: each headline number beside its target
+    (TARGETS), for bench/RESULTS.md (bench/results_page.py)."""
+    parts = res["parts"]
+    rows = []
+    g = parts.get("gen", {})
+    if "systems" in g:
+        sy = g["systems"]
+        best = lambda pre: min((v["median_s"], k) for k, v in sy.items() if k.startswith(pre))  # noqa: E731
+        (o, ok), (lb, lk) = best("opentinker"), best("transformers")
+        rows.append((f"generation ({g['size']}, {g['rows']} x {g['new_tokens']} tokens, {g['dtype']})",
+                     f"{ok} {o * 1e3:.0f} ms, {lk} {lb * 1e3:.0f} ms: {o / lb:.2f}x", f"<= {TARGETS['gen']}x"))
+    s = parts.get("sync", {})
+    for kind in ("lora", "full"):
+        if kind in s:
+            target = f"<= {TARGETS['sync_lora_s']} s" if kind == "lora" else "measured"
+            rows.append((f"weight sync, {kind} ({s['size']})",
+                         f"{s[kind]['total_s']:.3f} s ({s[kind]['bytes'] / 1e6:.1f} MB)", target))
+    lr = parts.get("learner", {})
+    for kind in ("lora", "full"):
+        if kind in lr:
+            r = lr[kind]
+            rows.append((f"learner step, {kind} ({lr['size']})", f"{r['ours']['median_s'] * 1e3:.0f} ms against "
+                         f"{r['plain']['median_s'] * 1e3:.0f} ms: {r['ratio_ours_vs_plain']:.2f}x",
+                         f"<= {TARGETS['learner']}x"))
+    e = parts.get("e2e", {})
+    if e.get("systems"):
+        sps = {k: v.get("steps_per_s") or 0.0 for k, v in e["systems"].items()}
+        ratio = sps.get("async", 0.0) / sps["trl"] if sps.get("trl") else None
+        rows.append((f"end to end ({e['steps']} steps), steps/s",
+                     ", ".join(f"{k} {v:.3f}" for k, v in sps.items())
+                     + (f"; async/TRL {ratio:.2f}x" if ratio else ""), f"async >= {TARGETS['e2e_async_vs_trl']}x TRL"))
+    for name, got in parts.items():
+        if "error" in got or "skipped" in got:
+            rows.append((name, got.get("error") or got.get("skipped"), ""))
+    head = (f"{res.get('gpu') or res['device']}, {res['date']}, commit {res['commit'][:7]}"
+            f"{' (dirty)' if res.get('dirty') else ''}: `{res.get('command', '')}`\n\n")
+    return head + "| part | measured | target |\n|---|---|---|\n" + "".join(
+        f"| {a} | {b} | {c} |\n" for a, b, c in rows)
+
+
 def summary(res: dict[str, Any]) -> str:
     """The headline numbers of a results file, one line each."""
     lines = [f"{res.get('gpu') or res['device']} at {res['commit'][:7]}:"]

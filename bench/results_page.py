@@ -8,7 +8,8 @@ The tables come from the report code each benchmark already has, newest first wi
 kind: `main_job_seeds.report` for every file `bench/main_job_seeds.py` wrote (the main job
 and other jobs over seeds), `<stem>.report` for bench/results/<stem>.json (and <stem>_*.json) of each of TASKS
 (tool use, the game against `random`, self-play, distillation), `e2e_report.report_table` for every
-file `bench/e2e_grpo.py` wrote, and `cookbook_recipes.report` for every `*_cookbook.json`. A results file
+file `bench/e2e_grpo.py` wrote, `cookbook_recipes.report` for every `*_cookbook.json`, and
+`gpu_bench.report` for every `*_gpu.json`. A results file
 that is missing, or whose report code is, is named on the page instead of a table. Run it
 after a benchmark writes a results file (tests/unit/test_results_page.py fails until then).
 Standard library only; reads nothing but bench/.
@@ -128,10 +129,23 @@ def cookbook_section(results: dict[Path, dict]) -> str:
     return out + "\n".join(f"`bench/results/{p.name}`\n\n{report(r)}" for p, r in _newest_first(files))
 
 
+def gpu_section(results: dict[Path, dict]) -> str:
+    """The GPU bench's runs (bench/gpu_bench.py, `*_gpu.json`), newest first."""
+    files = {p: r for p, r in results.items() if p.name.endswith("_gpu.json")}
+    out = "## The GPU bench (`bench/gpu_bench.py`), newest first\n\n"
+    if not files:
+        return out + ("No `bench/results/*_gpu.json` in this checkout: it runs on a lent GPU "
+                      "(`scripts/gpu_check.sh --bench`).\n")
+    report = _report("gpu_bench", "report")
+    if report is None:
+        return out + "`bench/gpu_bench.py`, the report of these files, is not in this checkout.\n"
+    return out + "\n".join(f"`bench/results/{p.name}`: {report(r)}" for p, r in _newest_first(files))
+
+
 def build() -> str:
     results = _results()
     parts = [HEADER, seeds_section(results), *(task_section(results, *t) for t in TASKS), e2e_section(results),
-             cookbook_section(results), HISTORY.read_text()]
+             cookbook_section(results), gpu_section(results), HISTORY.read_text()]
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 

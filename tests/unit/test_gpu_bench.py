@@ -43,6 +43,10 @@ def test_generation_makes_the_same_tokens_on_every_side_and_a_lora_version_moves
     lora = sync["lora"]
     assert lora["tensors"] == 4 and 0 < lora["bytes"] < 200_000  # the adapter of q/v on 2 layers, not the model
     assert lora["total_s"] >= lora["publish_s"] + lora["load_s"]
-    text = G.summary({"device": "cpu", "commit": "0" * 40, "parts": {"gen": gen, "sync": {"size": "tiny", **sync},
-                                                                      "e2e": {"skipped": "missing here: trl"}}})
+    res = {"device": "cpu", "commit": "0" * 40, "date": "2026-11-29 01:00",
+           "parts": {"gen": {"size": "tiny", **gen}, "sync": {"size": "tiny", **sync},
+                     "e2e": {"skipped": "missing here: trl"}}}
+    text = G.summary(res)
     assert "ours/library best" in text and "sync lora (tiny)" in text and "missing here: trl" in text
+    table = G.report(res)  # bench/RESULTS.md's rows: each number beside its target
+    assert "| weight sync, lora (tiny) |" in table and "<= 1.5x" in table and "| e2e | missing here: trl |" in table
