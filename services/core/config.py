@@ -39,6 +39,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "auto": on with CUDA; off on CPU, where vLLM's LoRA kernels made generation
     # several times slower than merging (bench/multi_lora.py, results in bench/RESULTS.md)
     vllm_multi_lora: Literal["auto", "on", "off"] = "auto"
+    # intra-op threads the learner trains an asynchronous job (max_staleness >= 1) with on
+    # a CPU, where its rollout worker generates the next batch on the same cores meanwhile
+    # (0: as many as for any job). On 2 cores, generation (vLLM, 2 bound threads) beside
+    # a 2-thread learner step took 6.4 s and the step 17.0 s; beside a 1-thread step, 5.2 s
+    # and 2.8 s (alone: 4.7 s and 1.5 s): the two thread teams wait on each other's
+    # barriers. `opentinker up` sets 1 on a host of 2 cores (ops/stack.py)
+    learner_async_threads: int = 0
     # the transformers engine's decoding (engine_hf.HFEngine): "compiled" decodes into a
     # static KV cache under torch.compile with CUDA graphs (a compile per shape, once per
     # engine), "static" the same cache without the compile, "dynamic" a growing cache.

@@ -26,6 +26,7 @@ on the survivors at once (follow_placement), without waiting for the timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 import time
@@ -92,6 +93,23 @@ class Held:
 
     traj: Trajectory
     msg: Msg
+
+
+@contextlib.contextmanager
+def step_threads(n: int):
+    """torch's intra-op threads set to `n` on this thread for the block (n <= 0: left
+    alone), then back (the engine thread runs every step, so the team is this one's)."""
+    if n <= 0:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class JobRun(RunLifecycle):
@@ -462,8 +480,15 @@ class JobRun(RunLifecycle):
         with tracing.span("learner.batch", attrs={"ot.episodes": len(trajs)}):
             plan = plan_step(trajs, self.spec, self.step, self.engine.pad_id,
                              lambda batches: self.engine.sequence_logprobs(batches, reference=True))
-        out = self.engine.train_step(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
+        with step_threads(self.async_threads()):
+            out = self.engine.train_step(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
         return {**out, **plan.stats}
+
+    def async_threads(self) -> int:
+        """The thread count this job's steps train with (0: unchanged): the setting
+        learner_async_threads for an asynchronous job on a CPU engine in this process."""
+        cpu = getattr(self.engine, "device", "") == "cpu"  # a RankGroup's ranks are processes of their own
+        return self.settings.learner_async_threads if cpu and self.spec.max_staleness >= 1 else 0
 
     async def train(self, groups: list[list[Held]]) -> None:
         with tracing.span("learner.step", attrs={"ot.job_id": self.job_id, "ot.step": self.step}):

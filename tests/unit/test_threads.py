@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from opentinker.ops.stack import SERVICES, Stack, core_share
-from opentinker.services.core.config import LIGHT_SERVICES, THREAD_ENV_VARS, thread_count, thread_env
+from opentinker.services.core.config import LIGHT_SERVICES, THREAD_ENV_VARS, Settings, thread_count, thread_env
 
 HEAVY = ("learner", "rollout")
 
@@ -114,3 +114,45 @@ def test_rollout_workers_on_one_host_split_its_cores(tmp_path, monkeypatch):
     monkeypatch.setenv("OPENTINKER_ROLLOUT_THREADS", "4")
     two = stack.child_env("rollout-2")
     assert two["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and two["OMP_NUM_THREADS"] == "4"
+
+
+def test_a_two_core_stack_trains_async_steps_on_one_thread(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENTINKER_LEARNER_ASYNC_THREADS", raising=False)
+    stack = Stack(tmp_path, nats_url="nats://127.0.0.1:1")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert stack.child_env("learner")["OPENTINKER_LEARNER_ASYNC_THREADS"] == "1"
+    assert "OPENTINKER_LEARNER_ASYNC_THREADS" not in stack.child_env("rollout")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))  # not measured there: left alone
+    assert "OPENTINKER_LEARNER_ASYNC_THREADS" not in stack.child_env("learner")
+    monkeypatch.setenv("OPENTINKER_LEARNER_ASYNC_THREADS", "0")  # the operator's word wins
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert stack.child_env("learner")["OPENTINKER_LEARNER_ASYNC_THREADS"] == "0"
+
+
+def test_an_async_step_on_a_cpu_trains_with_the_async_thread_count_and_gives_the_threads_back():
+    import torch
+
+    from opentinker.schemas import JobSpec
+    from opentinker.services.learner.job import JobRun, step_threads
+
+    seen = []
+
+    class Engine:
+        device = "cpu"
+
+        def train_step(self, *a):
+            seen.append(torch.get_num_threads())
+
+    run = JobRun.__new__(JobRun)  # only what async_threads reads
+    run.engine, run.settings = Engine(), Settings(learner_async_threads=1)
+    before = torch.get_num_threads()
+    for staleness, expect in ((1, 1), (0, 0)):
+        run.spec = JobSpec(max_staleness=staleness)
+        assert run.async_threads() == expect
+        with step_threads(run.async_threads()):
+            run.engine.train_step()
+        assert torch.get_num_threads() == before
+    assert seen == [1, before]
+    run.engine.device = "cuda"  # a GPU step's host threads are not the generation's cores
+    run.spec = JobSpec(max_staleness=1)
+    assert run.async_threads() == 0
