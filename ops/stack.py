@@ -10,9 +10,7 @@ stack's service nkey (its owner runs the stack); other users connect with an API
 Every child is stopped by its own PID. Each child gets OMP_NUM_THREADS and
 MKL_NUM_THREADS by services.core.config.thread_count: 1 for the scheduler, envhost,
 recorder and tinker API, the libraries' defaults for the learner and rollout worker, unless
-OPENTINKER_<SERVICE>_THREADS, a `threads=N` override or OPENTINKER_THREADS says otherwise;
-on a host of 2 cores the learner trains asynchronous jobs on one thread
-(`learner_async_threads`), its rollout worker generating on the same cores.
+OPENTINKER_<SERVICE>_THREADS, a `threads=N` override or OPENTINKER_THREADS says otherwise.
 Several rollout workers on this host (`rollout_workers=M`) split its cores between
 them (`core_share`): each gets its share as its thread count and, for vLLM, as its
 OpenMP binding (VLLM_CPU_OMP_THREADS_BIND), unless those are set; vLLM's default
@@ -128,10 +126,6 @@ class Stack:
             n = thread_count(service, env, int(configured[-1]) if configured else 0)
         except ValueError as e:  # int() of a bad override, or a bad count
             raise ValueError(f"{service}: bad thread count: {e}") from None
-        if service == "learner" and len(os.sched_getaffinity(0)) <= 2:
-            # its rollout worker shares these cores: an async job's step trains on one
-            # thread beside the generation (Settings.learner_async_threads)
-            env.setdefault("OPENTINKER_LEARNER_ASYNC_THREADS", "1")
         if service == "rollout" and self.rollout_workers > 1:
             cores = core_share(sorted(os.sched_getaffinity(0)), int(nth or 1) - 1, self.rollout_workers)
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))

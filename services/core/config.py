@@ -44,7 +44,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (0: as many as for any job). On 2 cores, generation (vLLM, 2 bound threads) beside
     # a 2-thread learner step took 6.4 s and the step 17.0 s; beside a 1-thread step, 5.2 s
     # and 2.8 s (alone: 4.7 s and 1.5 s): the two thread teams wait on each other's
-    # barriers. `opentinker up` sets 1 on a host of 2 cores (ops/stack.py)
+    # barriers. End to end it gained nothing measurable (bench/RESULTS.md, 2026-11-29: async
+    # steps/s 0.95-1.02x sync's over 4 seeds with 1), so no default sets it
     learner_async_threads: int = 0
     # the transformers engine's decoding (engine_hf.HFEngine): "compiled" decodes into a
     # static KV cache under torch.compile with CUDA graphs (a compile per shape, once per

@@ -116,17 +116,13 @@ def test_rollout_workers_on_one_host_split_its_cores(tmp_path, monkeypatch):
     assert two["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and two["OMP_NUM_THREADS"] == "4"
 
 
-def test_a_two_core_stack_trains_async_steps_on_one_thread(tmp_path, monkeypatch):
+def test_the_stack_leaves_the_async_thread_count_to_the_operator(tmp_path, monkeypatch):
     monkeypatch.delenv("OPENTINKER_LEARNER_ASYNC_THREADS", raising=False)
     stack = Stack(tmp_path, nats_url="nats://127.0.0.1:1")
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    assert stack.child_env("learner")["OPENTINKER_LEARNER_ASYNC_THREADS"] == "1"
-    assert "OPENTINKER_LEARNER_ASYNC_THREADS" not in stack.child_env("rollout")
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))  # not measured there: left alone
     assert "OPENTINKER_LEARNER_ASYNC_THREADS" not in stack.child_env("learner")
-    monkeypatch.setenv("OPENTINKER_LEARNER_ASYNC_THREADS", "0")  # the operator's word wins
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    assert stack.child_env("learner")["OPENTINKER_LEARNER_ASYNC_THREADS"] == "0"
+    monkeypatch.setenv("OPENTINKER_LEARNER_ASYNC_THREADS", "1")
+    assert stack.child_env("learner")["OPENTINKER_LEARNER_ASYNC_THREADS"] == "1"
+    assert Settings().learner_async_threads == 0
 
 
 def test_an_async_step_on_a_cpu_trains_with_the_async_thread_count_and_gives_the_threads_back():
