@@ -472,9 +472,9 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OPENTINKER_HOME", str(ROOT / ".opentinker"))
     keys = parse_only(args.only)
-    import torch
+    from opentinker.services.learner.engine_deepspeed import pick_device
 
-    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = pick_device(args.device)
 
     from opentinker.cli.common import load_job_config
     from opentinker.services.core.models import resolve_model

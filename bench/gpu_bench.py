@@ -242,23 +242,19 @@ def bench_sync(model_dir: str, device: str, reps: int, kinds: list[str]) -> dict
 # -- learner ------------------------------------------------------------------------
 
 
-def main_job_batch(vocab: int):
-    """The main job's step: 4 groups of 8 trajectories, 45 prompt and 32 sampled
-    tokens, advantages +-1 (half of each group rewarded)."""
+def main_job_batch(vocab: int, spec):
+    """The main job's step: ROWS trajectories in groups of spec.group_size, 45 prompt and
+    32 sampled tokens (overlap_bound.episode), advantages +-1 (half of each group
+    rewarded)."""
     import random
 
-    from opentinker.schemas import Trajectory, TurnRecord
+    from overlap_bound import episode
 
     rng = random.Random(0)
     trajs, adv = [], []
     for i in range(ROWS):
         ids = [rng.randrange(100, vocab - 100) for _ in range(PROMPT_LEN + NEW_TOKENS)]
-        trajs.append(Trajectory(job_id="bench", request_id="r", episode_id=f"e{i}", step=0, group_index=i // 8,
-                                group_size=8, token_ids=ids, loss_mask=[0] * PROMPT_LEN + [1] * NEW_TOKENS,
-                                logprobs=[0.0] * PROMPT_LEN + [-10.8] * NEW_TOKENS, prompt_len=PROMPT_LEN,
-                                turns=[TurnRecord(gen_start=PROMPT_LEN, gen_end=PROMPT_LEN + NEW_TOKENS,
-                                                  obs_end=PROMPT_LEN + NEW_TOKENS)],
-                                reward=float(i % 2), policy_version=0))
+        trajs.append(episode(i, spec, ids[:PROMPT_LEN], ids[PROMPT_LEN:], [-10.8] * NEW_TOKENS))
         adv.append(1.0 if i % 2 else -1.0)
     return trajs, adv
 
@@ -298,7 +294,7 @@ def bench_learner(model_dir: str, device: str, reps: int, kinds: list[str]) -> d
         spec = JobSpec(lora_rank=8 if lora else 0, lora_alpha=16, lora_target_modules=["q_proj", "v_proj"],
                        lr=1e-5, micro_batch_size=16, prompts_per_step=4, group_size=8, dtype="auto")
         eng = TrainEngine(spec, model_dir, device=device)
-        trajs, adv = main_job_batch(eng.vocab_size)
+        trajs, adv = main_job_batch(eng.vocab_size, spec)
         mbs = micro_batches(trajs, adv, spec.micro_batch_size, eng.pad_id)
         tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=float(len(trajs)),
                         max_len=float(PROMPT_LEN + NEW_TOKENS))
@@ -396,7 +392,9 @@ def main() -> None:
     setup_cache_dirs(os.environ["OPENTINKER_HOME"])
     import torch
 
-    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    from opentinker.services.learner.engine_deepspeed import pick_device
+
+    device = pick_device(args.device)
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
     parts = [x for x in args.parts.split(",") if x]
     kinds = [x for x in args.kinds.split(",") if x]

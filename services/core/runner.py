@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -63,6 +64,25 @@ async def run_until_stopped(work: Awaitable[None], stop: asyncio.Event, grace_s:
             task.result()
     finally:
         stopped.cancel()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to `n` for the block on this thread, then back
+    to what it was (n <= 0: left alone). torch's own setter (`torch._C`): vLLM's CPU
+    worker replaces torch.set_num_threads by a no-op in its process (rollout/policy.py
+    single_threaded)."""
+    if n <= 0:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
 
 
 def limit_threads(service: str, settings: Settings) -> int | None:

@@ -26,7 +26,6 @@ on the survivors at once (follow_placement), without waiting for the timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import statistics
 import time
@@ -44,6 +43,7 @@ from opentinker.schemas.stats import derived_seed, episode_stats, lag_stats, sea
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings
+from opentinker.services.core.runner import torch_threads
 from opentinker.services.learner import checkpoint
 from opentinker.services.learner.batching import check_trajectory
 from opentinker.services.learner.evaluation import Evaluator
@@ -93,23 +93,6 @@ class Held:
 
     traj: Trajectory
     msg: Msg
-
-
-@contextlib.contextmanager
-def step_threads(n: int):
-    """torch's intra-op threads set to `n` on this thread for the block (n <= 0: left
-    alone), then back (the engine thread runs every step, so the team is this one's)."""
-    if n <= 0:
-        yield
-        return
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class JobRun(RunLifecycle):
@@ -480,7 +463,7 @@ class JobRun(RunLifecycle):
         with tracing.span("learner.batch", attrs={"ot.episodes": len(trajs)}):
             plan = plan_step(trajs, self.spec, self.step, self.engine.pad_id,
                              lambda batches: self.engine.sequence_logprobs(batches, reference=True))
-        with step_threads(self.async_threads()):
+        with torch_threads(self.async_threads()):
             out = self.engine.train_step(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
         return {**out, **plan.stats}
 

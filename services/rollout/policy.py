@@ -46,6 +46,7 @@ from opentinker.schemas import WeightsPublished, decode
 from opentinker.schemas import subjects as S
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus, undecodable
+from opentinker.services.core.runner import torch_threads
 from opentinker.services.rollout.weights import (
     BaseWeights,
     HeldWeights,
@@ -84,12 +85,9 @@ def single_threaded(fn, *args):
     its bound thread team for good); torch's own setter is called here, and the team
     goes back to its size before anything else runs on this thread (measured: the same
     threads, affinities and generation speed after)."""
-    n = torch.get_num_threads()
-    torch._C.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return fn(*args)
-    finally:
-        torch._C.set_num_threads(n)
+
 
 class WeightsUnavailable(Exception):
     """A request names a policy version whose weight event has not arrived."""

@@ -129,7 +129,8 @@ def test_an_async_step_on_a_cpu_trains_with_the_async_thread_count_and_gives_the
     import torch
 
     from opentinker.schemas import JobSpec
-    from opentinker.services.learner.job import JobRun, step_threads
+    from opentinker.services.core.runner import torch_threads
+    from opentinker.services.learner.job import JobRun
 
     seen = []
 
@@ -145,7 +146,7 @@ def test_an_async_step_on_a_cpu_trains_with_the_async_thread_count_and_gives_the
     for staleness, expect in ((1, 1), (0, 0)):
         run.spec = JobSpec(max_staleness=staleness)
         assert run.async_threads() == expect
-        with step_threads(run.async_threads()):
+        with torch_threads(run.async_threads()):
             run.engine.train_step()
         assert torch.get_num_threads() == before
     assert seen == [1, before]
