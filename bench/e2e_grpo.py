@@ -86,6 +86,10 @@ STALENESS = {"sync": 0, "async": 1, "async-bf16": 1}
 # what a system changes in the TOML's spec besides max_staleness
 SYSTEM_FIELDS = {"async-bf16": {"dtype": "bfloat16", "sampler_dtype": "float32"}}
 SPAN_LOGS = ("scheduler", "envhost", "recorder", "rollout", "learner")
+# the learning side of each step, kept per step to compare a lagging run with another
+# (behaviour correction, policy drift, exploration); None where a step lacks one
+PER_STEP_METRICS = ("entropy", "mismatch_kl", "is_weight_mean", "is_capped_frac", "policy_lag_mean",
+                    "grad_norm", "approx_kl", "clip_frac", "zero_variance_frac", "gen_tokens_mean", "loss")
 
 
 def opentinker_spec(base: dict[str, Any], system: str, steps: int, eval_episodes: int) -> dict[str, Any]:
@@ -271,9 +275,11 @@ def summarize_opentinker(raw: dict[str, Any], spec) -> dict[str, Any]:
     keys = sorted({k for m in steady for k in m.values})
     means = {k: statistics.fmean(m.values[k] for m in steady if k in m.values) for k in keys}
     base, final = raw["eval"].get(0), raw["eval"].get(spec.steps)
+    per_step = {k: [m.values.get(k) for m in ms] for k in PER_STEP_METRICS if any(k in m.values for m in ms)}
     res.update(job_id=raw["job_id"], state=raw["state"], startup_s=start - raw["submit_time"],
                **_eval_fields(base.values if base else None, final.values if final else None),
-               metric_means_after_first_step=means, window=(ms[0].time_s, ms[-1].time_s))
+               metric_means_after_first_step=means, metrics_per_step=per_step,
+               window=(ms[0].time_s, ms[-1].time_s))
     return res
 
 
