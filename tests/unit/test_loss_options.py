@@ -327,6 +327,31 @@ def test_policy_loss_weights_each_token_by_the_is_weight_against_the_proximal_po
     assert plain.mismatch_kl_sum == 0.0 and plain.is_weight_sum == 0.0
 
 
+def test_a_stale_batch_under_the_sampler_relative_clip_stops_pushing_tokens_already_moved():
+    """The main job's asynchronous objective (rollout_is = "none", one update a step): the
+    ratio is taken against the sampler, so a token the policy already moved past the clip
+    since the batch was drawn gets no further push, where the decoupled form (the ratio
+    against the learner's own policy, 1 at the first update, times TIS weights) pushes it
+    on with weight min(w, C)."""
+    behav = torch.log(torch.tensor([[0.2, 0.2, 0.2, 0.2]]))
+    moved = [1.5, 1.1, 0.9, 0.6]  # the policy's drift since the sampler drew the batch
+    logp = (behav + torch.log(torch.tensor([moved]))).detach()
+    mask = torch.ones(1, 4)
+    for A, pushed in ((1.0, [False, True, True, True]), (-1.0, [True, True, True, False])):
+        cur = logp.clone().requires_grad_()
+        out = policy_loss(cur, behav, torch.tensor([A]), mask, LossConfig(rollout_is="none"))
+        out.loss.backward()
+        # unclipped tokens: d(-r A / 4)/dlogp = -r A / 4; a token beyond the clip in the
+        # advantage's direction: 0
+        assert cur.grad[0].tolist() == pytest.approx(
+            [-r * A / 4 if p else 0.0 for r, p in zip(moved, pushed)], abs=1e-6)
+        assert out.clipped_sum == 2.0
+        dec = logp.clone().requires_grad_()
+        policy_loss(dec, behav, torch.tensor([A]), mask, LossConfig(rollout_is="token"),
+                    logp_prox=logp).loss.backward()
+        assert dec.grad[0].tolist() == pytest.approx([-min(r, 2.0) * A / 4 for r in moved], rel=1e-5)
+
+
 def test_rollout_is_needs_the_proximal_logprobs():
     with pytest.raises(ValueError, match="logp_prox"):
         policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2),
