@@ -168,6 +168,85 @@ def ratio_table(systems: Mapping[str, Mapping[str, Any]], threshold: float = THR
     return out
 
 
+def seed_of(run: Mapping[str, Any]) -> int | None:
+    """The seed a results file ran with (its `--set seed=N`), None without one."""
+    for kv in run.get("sets", []):
+        key, _, value = str(kv).partition("=")
+        if key.strip() == "seed":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def seed_groups(runs: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
+    """The results files that repeat one configuration over seeds: same commit (dirty
+    or not; a file without one is left out), same `--set`s but the seed, same systems; groups of >= 2 distinct seeds,
+    newest first, each sorted by seed. runs: {name: results file}."""
+    groups: dict[tuple, list[str]] = {}
+    for name, r in runs.items():
+        seed = seed_of(r)
+        if seed is None or "systems" not in r or not r.get("commit"):
+            continue
+        sets = tuple(sorted(str(kv) for kv in r.get("sets", []) if not str(kv).startswith("seed=")))
+        key = (str(r.get("commit", ""))[:7], bool(r.get("dirty")), sets, tuple(sorted(r["systems"])))
+        groups.setdefault(key, []).append(name)
+    out = [sorted(g, key=lambda n: seed_of(runs[n])) for g in groups.values()
+           if len({seed_of(runs[n]) for n in g}) >= 2]
+    return sorted(out, key=lambda g: max(str(runs[n].get("date", "")) for n in g), reverse=True)
+
+
+def _mean_sd(xs: Sequence[float | None], spec: str) -> str:
+    """mean +- sd (sample) of the numbers among xs, with how many of them had one."""
+    n = len(xs)
+    v = [x for x in xs if x is not None]
+    if not v:
+        return f"- (0 of {n})"
+    sd = statistics.stdev(v) if len(v) > 1 else float("nan")
+    return f"{format(statistics.fmean(v), spec)} +- {_fmt(sd, spec)}" + (f" ({len(v)} of {n})" if len(v) < n else "")
+
+
+def seeds_table(runs: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD) -> str:
+    """One configuration over seeds (seed_groups' files) as a markdown table: per seed
+    each system's time to the threshold and held-out accuracy, the speedups in time to
+    the threshold (the other's time / async's: > 1 async got there first) and async's
+    steps/s over sync's; then the mean +- sample sd over the seeds that have each number
+    ("never": the system's 5-step mean never reached it, which leaves that seed's ratio
+    out), and how many seeds async reached it no later than sync in."""
+    key = ttt_key(threshold)
+    names = [s for s in ("trl", "sync", "async", "async-bf16") if any(s in r["systems"] for r in runs)]
+    pairs = [(a, b) for a, b in (("async", "trl"), ("async", "sync")) if a in names and b in names]
+    cols: list[tuple[str, Any, str]] = [(f"{s} to {threshold:g} (s)", s, ".0f") for s in names]
+    cols += [(f"{a} vs {b}, time", (a, b), ".2f") for a, b in pairs]
+    if ("async", "sync") in pairs:
+        cols.append(("async/sync steps/s", "speed", ".2f"))
+    cols += [(f"held-out {s}", ("held", s), ".3f") for s in names]
+    values: dict[Any, list] = {c: [] for _, c, _ in cols}
+    lines = ["| seed | " + " | ".join(h for h, _, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for r in runs:
+        sy = r["systems"]
+        t = {s: sy.get(s, {}).get(key) for s in names}
+        for c in values:
+            if c in t:
+                v = t[c]
+            elif c == "speed":
+                v = _div(sy["async"].get("steps_per_s"), sy["sync"].get("steps_per_s"))
+            elif c[0] == "held":
+                v = sy.get(c[1], {}).get("heldout_accuracy")
+            else:
+                v = _div(t[c[1]], t[c[0]])
+            values[c].append(v)
+        cells = ["never" if c in t and c in sy and values[c][-1] is None else _fmt(values[c][-1], f)
+                 for _, c, f in cols]
+        lines.append(f"| {seed_of(r)} | " + " | ".join(cells) + " |")
+    lines.append("| mean +- sd | " + " | ".join(_mean_sd(values[c], f) for _, c, f in cols) + " |")
+    if ("async", "sync") in pairs:
+        ok = sum(1 for a, b in zip(values["async"], values["sync"]) if a is not None and (b is None or a <= b))
+        lines.append(f"\nAsync reached {threshold:g} no later than sync in {ok} of {len(runs)} seeds.")
+    return "\n".join(lines)
+
+
 # -- spans ------------------------------------------------------------------------
 
 

@@ -8,7 +8,8 @@ The tables come from the report code each benchmark already has, newest first wi
 kind: `main_job_seeds.report` for every file `bench/main_job_seeds.py` wrote (the main job
 and other jobs over seeds), `<stem>.report` for bench/results/<stem>.json (and <stem>_*.json) of each of TASKS
 (tool use, the game against `random`, self-play, distillation), `e2e_report.report_table` for every
-file `bench/e2e_grpo.py` wrote, `cookbook_recipes.report` for every `*_cookbook.json`, and
+file `bench/e2e_grpo.py` wrote (and `e2e_report.seeds_table` for those that repeat one
+configuration over seeds), `cookbook_recipes.report` for every `*_cookbook.json`, and
 `gpu_bench.report` for every `*_gpu.json`. A results file
 that is missing, or whose report code is, is named on the page instead of a table. Run it
 after a benchmark writes a results file (tests/unit/test_results_page.py fails until then).
@@ -103,6 +104,25 @@ def task_section(results: dict[Path, dict], title: str, stem: str) -> str:
     return out + "\n".join(report(results[p]) for p in files)
 
 
+def e2e_seeds_section(results: dict[Path, dict]) -> str:
+    """`bench/e2e_grpo.py` runs of one configuration over seeds (e2e_report.seed_groups),
+    each group as e2e_report.seeds_table with its mean +- sd, newest first."""
+    group_of, table = _report("e2e_report", "seed_groups"), _report("e2e_report", "seeds_table")
+    files = {p.name: r for p, r in results.items() if "systems" in r}
+    out = ["## The side-by-side runs over seeds (`bench/e2e_grpo.py --set seed=N`), newest first\n\n"
+           "Files of one commit and one configuration but the seed, set side by side: each\n"
+           "system's time to a 0.8 train reward (5-step mean) and held-out greedy accuracy, and\n"
+           "the mean +- sample sd over the seeds. Each run is in the next section too.\n"]
+    for group in group_of(files):
+        first = files[group[0]]
+        sets = [s for s in first.get("sets", []) if not str(s).startswith("seed=")]
+        out.append(f"\n### {first.get('date', '?')[:10]}, commit {str(first.get('commit'))[:7]}"
+                   + (f", `--set {' '.join(sets)}`" if sets else "") + "\n\n"
+                   + ", ".join(f"`bench/results/{n}`" for n in group) + "\n\n"
+                   + table([files[n] for n in group]) + "\n")
+    return "".join(out)
+
+
 def e2e_section(results: dict[Path, dict]) -> str:
     report = _report("e2e_report", "report_table")
     files = {p: r for p, r in results.items() if "systems" in r}
@@ -144,7 +164,8 @@ def gpu_section(results: dict[Path, dict]) -> str:
 
 def build() -> str:
     results = _results()
-    parts = [HEADER, seeds_section(results), *(task_section(results, *t) for t in TASKS), e2e_section(results),
+    parts = [HEADER, seeds_section(results), *(task_section(results, *t) for t in TASKS), e2e_seeds_section(results),
+             e2e_section(results),
              cookbook_section(results), gpu_section(results), HISTORY.read_text()]
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 

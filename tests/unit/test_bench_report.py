@@ -87,6 +87,38 @@ def test_ratio_table_speedups_and_missing_numbers():
     assert bf16["async-bf16_vs_async"][key] == pytest.approx(1.25)
 
 
+def _seed_run(seed, trl, sync, asyn, commit="abc1234", sets=(), date="2026-11-29 05:00"):
+    key = R.ttt_key()
+    return {"commit": commit, "dirty": False, "date": date, "sets": [*sets, f"seed={seed}"],
+            "systems": {"trl": {key: trl, "steps_per_s": 0.05, "heldout_accuracy": 0.75},
+                        "sync": {key: sync, "steps_per_s": 0.1, "heldout_accuracy": 0.875},
+                        "async": {key: asyn, "steps_per_s": 0.12, "heldout_accuracy": 1.0}}}
+
+
+def test_seed_groups_gather_one_configuration_over_seeds():
+    runs = {"a0": _seed_run(0, 600.0, 200.0, 150.0), "a1": _seed_run(1, 900.0, 150.0, 180.0),
+            "other_set": _seed_run(2, 1.0, 1.0, 1.0, sets=["lr=1e-4"]),
+            "other_commit": _seed_run(3, 1.0, 1.0, 1.0, commit="def5678"),
+            "no_commit": _seed_run(4, 1.0, 1.0, 1.0, commit=""),
+            "no_seed": {**_seed_run(5, 1.0, 1.0, 1.0), "sets": []}}
+    assert R.seed_groups(runs) == [["a0", "a1"]]
+    assert R.seed_of({"sets": ["x=1", "seed=7"]}) == 7 and R.seed_of({"sets": ["seed=x"]}) is None
+
+
+def test_seeds_table_gives_each_seed_and_the_mean_and_sd_leaving_out_a_never():
+    runs = [_seed_run(0, 600.0, 200.0, 150.0), _seed_run(1, 900.0, 150.0, 180.0), _seed_run(2, None, 160.0, None)]
+    text = R.seeds_table(runs)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    assert rows[0][1:4] == ["trl to 0.8 (s)", "sync to 0.8 (s)", "async to 0.8 (s)"]
+    assert rows[1][1:6] == ["600", "200", "150", "4.00", "1.33"]   # trl/async, sync/async
+    assert rows[2][1:6] == ["900", "150", "180", "5.00", "0.83"]
+    assert rows[3][1:6] == ["never", "160", "never", "-", "-"]
+    # mean +- sample sd over the seeds with a number, and how many had one
+    assert rows[4][2] == "170 +- 26" and rows[4][3] == "165 +- 21 (2 of 3)"
+    assert rows[4][4] == "4.50 +- 0.71 (2 of 3)" and rows[4][6] == "1.20 +- 0.00"
+    assert "no later than sync in 1 of 3 seeds" in text
+
+
 def test_pass1_is_the_mean_over_problems_with_its_binomial_standard_error():
     got = R.pass1_summary({"2+2": [4, 4], "9+1": [1, 4], "0+3": [2, 5]})
     # by hand: p = 1, 0.25, 0.4; mean 0.55; var terms 0, 0.25*0.75/3 = 0.0625, 0.4*0.6/4 = 0.06
