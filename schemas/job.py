@@ -268,8 +268,11 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "The behaviour-policy correction (asynchrony, sampler/learner numeric gap): the PPO ratio is taken "
         "against the learner's own logprobs before the update, each token (`sequence`: episode) weighted by "
         "that policy's / the sampler's probability (decoupled PPO, AReaL arXiv 2505.24298 eq. 5; Yao et al. "
-        "2025, TIS). `none`: the sampler's logprobs are PPO's old policy. Reported: `is_weight_mean`, "
-        "`is_capped_frac`, `mismatch_kl` (k3 of KL(sampler || learner)).")) = "token"
+        "2025, TIS). With one update a step that ratio is 1: no trust region. `none`: the sampler's "
+        "logprobs are PPO's old policy, so the clip bounds how far a stale batch pushes (PPO's coupled form; "
+        "the main job's, see Asynchrony in docs/job-spec.md). Reported: `is_weight_mean`, `is_capped_frac`, "
+        "`mismatch_kl` (k3 of KL(sampler || learner)); with `none`, `approx_kl` and `clip_frac` against the "
+        "sampler.")) = "token"
     rollout_is_mode: Doc(Literal["truncate", "mask"], (
         "`truncate`: weights capped at C = `rollout_is_threshold` (truncated IS); `mask`: weights outside "
         "[1/C, C] zeroed (masked IS; Yao et al. 2025, verl's rollout correction).")) = "truncate"
