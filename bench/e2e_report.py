@@ -180,17 +180,21 @@ def seed_of(run: Mapping[str, Any]) -> int | None:
     return None
 
 
+def sets_but_seed(run: Mapping[str, Any]) -> list[str]:
+    """A results file's `--set`s other than the seed's, in their order."""
+    return [str(kv) for kv in run.get("sets", []) if str(kv).partition("=")[0].strip() != "seed"]
+
+
 def seed_groups(runs: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
     """The results files that repeat one configuration over seeds: same commit (dirty
-    or not; a file without one is left out), same `--set`s but the seed, same systems; groups of >= 2 distinct seeds,
-    newest first, each sorted by seed. runs: {name: results file}."""
+    or not; a file without one is left out), same `--set`s but the seed, same systems;
+    groups of >= 2 distinct seeds, newest first, each sorted by seed. runs: {name:
+    results file}."""
     groups: dict[tuple, list[str]] = {}
     for name, r in runs.items():
-        seed = seed_of(r)
-        if seed is None or "systems" not in r or not r.get("commit"):
+        if seed_of(r) is None or "systems" not in r or not r.get("commit"):
             continue
-        sets = tuple(sorted(str(kv) for kv in r.get("sets", []) if not str(kv).startswith("seed=")))
-        key = (str(r.get("commit", ""))[:7], bool(r.get("dirty")), sets, tuple(sorted(r["systems"])))
+        key = (str(r["commit"])[:7], bool(r.get("dirty")), tuple(sorted(sets_but_seed(r))), tuple(sorted(r["systems"])))
         groups.setdefault(key, []).append(name)
     out = [sorted(g, key=lambda n: seed_of(runs[n])) for g in groups.values()
            if len({seed_of(runs[n]) for n in g}) >= 2]
@@ -217,32 +221,29 @@ def seeds_table(runs: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD)
     key = ttt_key(threshold)
     names = [s for s in ("trl", "sync", "async", "async-bf16") if any(s in r["systems"] for r in runs)]
     pairs = [(a, b) for a, b in (("async", "trl"), ("async", "sync")) if a in names and b in names]
-    cols: list[tuple[str, Any, str]] = [(f"{s} to {threshold:g} (s)", s, ".0f") for s in names]
-    cols += [(f"{a} vs {b}, time", (a, b), ".2f") for a, b in pairs]
+
+    def ttt(s):
+        return lambda sy: sy.get(s, {}).get(key)
+
+    # (header, the number from a run's systems, its format, the system whose missing
+    # number reads "never": it ran and did not reach the threshold)
+    cols = [(f"{s} to {threshold:g} (s)", ttt(s), ".0f", s) for s in names]
+    cols += [(f"{a} vs {b}, time", lambda sy, a=a, b=b: _div(ttt(b)(sy), ttt(a)(sy)), ".2f", None)
+             for a, b in pairs]
     if ("async", "sync") in pairs:
-        cols.append(("async/sync steps/s", "speed", ".2f"))
-    cols += [(f"held-out {s}", ("held", s), ".3f") for s in names]
-    values: dict[Any, list] = {c: [] for _, c, _ in cols}
-    lines = ["| seed | " + " | ".join(h for h, _, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for r in runs:
-        sy = r["systems"]
-        t = {s: sy.get(s, {}).get(key) for s in names}
-        for c in values:
-            if c in t:
-                v = t[c]
-            elif c == "speed":
-                v = _div(sy["async"].get("steps_per_s"), sy["sync"].get("steps_per_s"))
-            elif c[0] == "held":
-                v = sy.get(c[1], {}).get("heldout_accuracy")
-            else:
-                v = _div(t[c[1]], t[c[0]])
-            values[c].append(v)
-        cells = ["never" if c in t and c in sy and values[c][-1] is None else _fmt(values[c][-1], f)
-                 for _, c, f in cols]
+        cols.append(("async/sync steps/s",
+                     lambda sy: _div(sy["async"].get("steps_per_s"), sy["sync"].get("steps_per_s")), ".2f", None))
+    cols += [(f"held-out {s}", lambda sy, s=s: sy.get(s, {}).get("heldout_accuracy"), ".3f", None) for s in names]
+    table = [[get(r["systems"]) for _, get, _, _ in cols] for r in runs]
+    lines = ["| seed | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for r, row in zip(runs, table):
+        cells = ["never" if v is None and ran in r["systems"] else _fmt(v, f) for v, (_, _, f, ran) in zip(row, cols)]
         lines.append(f"| {seed_of(r)} | " + " | ".join(cells) + " |")
-    lines.append("| mean +- sd | " + " | ".join(_mean_sd(values[c], f) for _, c, f in cols) + " |")
+    lines.append("| mean +- sd | " + " | ".join(_mean_sd([row[k] for row in table], c[2])
+                                                 for k, c in enumerate(cols)) + " |")
     if ("async", "sync") in pairs:
-        ok = sum(1 for a, b in zip(values["async"], values["sync"]) if a is not None and (b is None or a <= b))
+        a, b = names.index("async"), names.index("sync")
+        ok = sum(1 for row in table if row[a] is not None and (row[b] is None or row[a] <= row[b]))
         lines.append(f"\nAsync reached {threshold:g} no later than sync in {ok} of {len(runs)} seeds.")
     return "\n".join(lines)
 

@@ -107,7 +107,7 @@ def task_section(results: dict[Path, dict], title: str, stem: str) -> str:
 def e2e_seeds_section(results: dict[Path, dict]) -> str:
     """`bench/e2e_grpo.py` runs of one configuration over seeds (e2e_report.seed_groups),
     each group as e2e_report.seeds_table with its mean +- sd, newest first."""
-    group_of, table = _report("e2e_report", "seed_groups"), _report("e2e_report", "seeds_table")
+    group_of, table, sets_of = (_report("e2e_report", f) for f in ("seed_groups", "seeds_table", "sets_but_seed"))
     files = {p.name: r for p, r in results.items() if "systems" in r}
     out = ["## The side-by-side runs over seeds (`bench/e2e_grpo.py --set seed=N`), newest first\n\n"
            "Files of one commit and one configuration but the seed, set side by side: each\n"
@@ -115,7 +115,7 @@ def e2e_seeds_section(results: dict[Path, dict]) -> str:
            "the mean +- sample sd over the seeds. Each run is in the next section too.\n"]
     for group in group_of(files):
         first = files[group[0]]
-        sets = [s for s in first.get("sets", []) if not str(s).startswith("seed=")]
+        sets = sets_of(first)
         out.append(f"\n### {first.get('date', '?')[:10]}, commit {str(first.get('commit'))[:7]}"
                    + (f", `--set {' '.join(sets)}`" if sets else "") + "\n\n"
                    + ", ".join(f"`bench/results/{n}`" for n in group) + "\n\n"
