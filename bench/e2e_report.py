@@ -248,6 +248,82 @@ def seeds_table(runs: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD)
     return "\n".join(lines)
 
 
+# the job-spec fields bench/e2e_grpo.py's TRL side reads (run_trl: model, problems,
+# batch, LoRA, optimizer, sampling, precision; its held-out evaluation): two results files
+# whose OpenTinker specs agree on these ran the same TRL job, whatever else differed
+TRL_FIELDS = ("model", "env", "env_args", "prompts_per_step", "group_size", "steps", "lr", "kl_coef",
+              "clip_range", "max_grad_norm", "weight_decay", "lora_rank", "lora_alpha", "lora_target_modules",
+              "dtype", "sampling", "seed", "eval_episodes", "eval_split", "eval_temperature")
+
+
+TRL_LIBRARIES = ("torch", "transformers", "trl", "peft")
+
+
+def trl_job(run: Mapping[str, Any]) -> str | None:
+    """The TRL job a results file ran, or would have: the machine, the libraries TRL's
+    side runs on (TRL_LIBRARIES) and TRL_FIELDS of its OpenTinker spec, as JSON (None
+    without a spec)."""
+    spec = next((s["spec"] for s in run.get("systems", {}).values() if isinstance(s, Mapping) and "spec" in s), None)
+    if spec is None:
+        return None
+    versions = run.get("versions", {})
+    return json.dumps({"machine": run.get("machine"), **{v: versions.get(v) for v in TRL_LIBRARIES},
+                       **{f: spec.get(f) for f in TRL_FIELDS}}, sort_keys=True)
+
+
+def trl_stand_ins(runs: Sequence[Mapping[str, Any]], pool: Mapping[str, Mapping[str, Any]]) -> list[str] | None:
+    """For runs of one configuration over seeds without TRL (an `--only sync,async`
+    group), per run the newest file of `pool` ({name: results file}) made before it
+    whose TRL run is of the same TRL job (trl_job: seed included); None unless every
+    run has one."""
+    out = []
+    for r in runs:
+        job, date = trl_job(r), str(r.get("date", ""))
+        same = [n for n, p in pool.items() if "trl" in p.get("systems", {}) and job and trl_job(p) == job
+                and str(p.get("date", "")) < date]
+        if not same:
+            return None
+        out.append(max(same, key=lambda n: str(pool[n].get("date", ""))))
+    return out
+
+
+def against_trl_table(runs: Sequence[Mapping[str, Any]], trl_runs: Sequence[Mapping[str, Any]],
+                      threshold: float = THRESHOLD) -> str:
+    """runs (one configuration over seeds, no TRL) against TRL's runs of the same TRL
+    job and seeds from other files (trl_stand_ins), as markdown: per seed TRL's and each
+    OpenTinker system's time to the threshold and the speedup (TRL's time / the
+    system's), the mean +- sample sd of each over the seeds where both reached it, and
+    a lower bound over every seed that counts a TRL run that never reached it as its
+    whole training time (it would have taken longer)."""
+    key = ttt_key(threshold)
+    names = [s for s in ("sync", "async") if all(s in r["systems"] for r in runs)]
+    lines = [f"| seed | trl to {threshold:g} (s) | " + " | ".join(f"{s} to {threshold:g} (s) | {s} vs trl, time"
+                                                          for s in names) + " |",
+             "|---" * (2 + 2 * len(names)) + "|"]
+    ratios: dict[str, list[float | None]] = {s: [] for s in names}
+    bounds: dict[str, list[float | None]] = {s: [] for s in names}
+    for r, t in zip(runs, trl_runs):
+        trl = t["systems"]["trl"]
+        t_trl, t_run = trl.get(key), trl.get("train_s")
+        cells = [_fmt(t_trl, ".0f") if t_trl is not None else f"never (> {_fmt(t_run, '.0f')})"]
+        for s in names:
+            mine = r["systems"][s].get(key)
+            ratios[s].append(_div(t_trl, mine))
+            bounds[s].append(_div(t_trl if t_trl is not None else t_run, mine))
+            cells += [_fmt(mine, ".0f") if mine is not None else "never",
+                      _fmt(ratios[s][-1], ".2f") if t_trl is not None or mine is None
+                      else f"> {_fmt(bounds[s][-1], '.2f')}"]
+        lines.append(f"| {seed_of(r)} | " + " | ".join(cells) + " |")
+    lines.append("| mean +- sd | - | " + " | ".join(f"- | {_mean_sd(ratios[s], '.2f')}" for s in names) + " |")
+    for s in names:
+        v = [b for b in bounds[s] if b is not None]
+        if len(v) == len(runs):
+            lines.append(f"\n{s} vs trl over all {len(runs)} seeds, a TRL run that never reached {threshold:g} "
+                         f"counted at its whole training time: mean >= {statistics.fmean(v):.2f} "
+                         f"(min {min(v):.2f}).")
+    return "\n".join(lines)
+
+
 # -- spans ------------------------------------------------------------------------
 
 

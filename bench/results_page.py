@@ -106,8 +106,12 @@ def task_section(results: dict[Path, dict], title: str, stem: str) -> str:
 
 def e2e_seeds_section(results: dict[Path, dict]) -> str:
     """`bench/e2e_grpo.py` runs of one configuration over seeds (e2e_report.seed_groups),
-    each group as e2e_report.seeds_table with its mean +- sd, newest first."""
-    group_of, table, sets_of = (_report("e2e_report", f) for f in ("seed_groups", "seeds_table", "sets_but_seed"))
+    each group as e2e_report.seeds_table with its mean +- sd, newest first; a group run
+    without TRL also against TRL's runs of the same TRL job and seeds in other files
+    (e2e_report.trl_stand_ins, against_trl_table), where every seed has one."""
+    group_of, table, sets_of, stand_ins, against = (
+        _report("e2e_report", f) for f in ("seed_groups", "seeds_table", "sets_but_seed", "trl_stand_ins",
+                                           "against_trl_table"))
     files = {p.name: r for p, r in results.items() if "systems" in r}
     out = ["## The side-by-side runs over seeds (`bench/e2e_grpo.py --set seed=N`), newest first\n\n"
            "Files of one commit and one configuration but the seed, set side by side: each\n"
@@ -120,6 +124,13 @@ def e2e_seeds_section(results: dict[Path, dict]) -> str:
                    + (f", `--set {' '.join(sets)}`" if sets else "") + "\n\n"
                    + ", ".join(f"`bench/results/{n}`" for n in group) + "\n\n"
                    + table([files[n] for n in group]) + "\n")
+        runs = [files[n] for n in group]
+        trl = None if "trl" in first["systems"] else stand_ins(runs, files)
+        if trl:
+            out.append("\nTRL was not run with these; against its runs of the same TRL job and seeds made "
+                       "before them (the same machine and libraries, every spec field TRL reads), "
+                       + ", ".join(f"`bench/results/{n}`" for n in trl) + ":\n\n"
+                       + against(runs, [files[n] for n in trl]) + "\n")
     return "".join(out)
 
 

@@ -302,7 +302,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     dynamic_sampling: Bounded(int, 0, 1_000_000, doc=(
         "N > 0: a complete group whose rewards are all equal is replaced by a group on a fresh prompt, at most "
         "N times a step, so a step trains on more signal for a group's generation each (DAPO's dynamic "
-        "sampling, arXiv 2503.14476 §3.2); 0 = off. Reported: `refilled`.")) = 0
+        "sampling, arXiv 2503.14476 §3.2); 0 = off. In an asynchronous job (max_staleness >= 1) a later step's "
+        "groups are replaced while the current step trains, so the rollout samples the replacements alongside "
+        "the update. Reported: `refilled`.")) = 0
     overlong_filter: Doc(bool, (
         "Leave episodes whose last turn the token limit cut out of the loss (DAPO arXiv 2503.14476 "
         "§3.4).")) = False

@@ -58,6 +58,9 @@ log = logging.getLogger("opentinker.learner")
 # (a redelivered duplicate is recognized by its stream sequence and skipped)
 TRAJ_ACK_WAIT_S = 600.0
 TRAJ_FETCH = 64
+# while a step trains, how long one fetch for later steps' trajectories may wait: the
+# step ends at most this much after its training does (JobRun.while_training)
+AHEAD_FETCH_S = 0.2
 # a group asked for this many times without a usable answer fails the job: the rollout
 # side is broken, and asking forever would hide it
 MAX_ATTEMPTS = 8
@@ -117,6 +120,8 @@ class JobRun(RunLifecycle):
         self.weights_s = 0.0  # the last publish_weights, seconds
         # dynamic sampling: (step, group) -> how many times its prompt was replaced
         self.refill_index: dict[tuple[int, int], int] = {}
+        # what a later step replaced while an earlier one trained (while_training), by step
+        self.ahead_stats: dict[int, StepStats] = {}
 
     async def run(self) -> None:
         """Train to completion. Raises JobStopped (cancel or shutdown) or the error
@@ -245,14 +250,16 @@ class JobRun(RunLifecycle):
 
     # -- trajectories -----------------------------------------------------------
 
-    def lag_ok(self, traj: Trajectory) -> bool:
+    def lag_ok(self, traj: Trajectory, version: int | None = None) -> bool:
+        """Is `traj` fresh enough to train at policy version `version` (default: the
+        current one), within max_staleness?"""
         if traj.policy_of:
             return True  # an opponent's seat: its versions are another job's, never trained
         if not any(traj.loss_mask):
             return True  # no sampled token (an early error): nothing of it is trained
         if traj.policy_version > 0 and traj.policy_run != self.run_id:
             return False  # another run's policy of that number (lifecycle.py: lineage)
-        lag = self.version - traj.policy_version
+        lag = (self.version if version is None else version) - traj.policy_version
         # a version newer than ours comes from a run that did not survive (resume)
         return 0 <= lag <= self.spec.max_staleness
 
@@ -387,12 +394,53 @@ class JobRun(RunLifecycle):
         and never trained, but their rewards count in the step's reward_mean. A resumed
         run forgets the indices: a group it has to ask again goes back to its first prompt."""
         dropped = self.ledger.drop(s, i)
-        self.stats.refilled_rewards += [h.traj.reward for h in dropped]
+        stats = self.stats if s == self.step else self.ahead_stats.setdefault(s, StepStats())
+        stats.refilled_rewards += [h.traj.reward for h in dropped]
         for held in dropped:
             await held.msg.ack()
         self.refill_index[(s, i)] = self.refill_index.get((s, i), 0) + 1
-        self.stats.refilled += 1
+        stats.refilled += 1
         await self.request_group(s, i)
+
+    async def while_training(self, training: asyncio.Future) -> Any:
+        """Await `training` (a step's update on the engine thread) and return its result.
+        Meanwhile, in an asynchronous job with dynamic sampling, take in the trajectories
+        of the later steps already asked for and replace each of their complete groups
+        without signal (refill_due), so the rollout samples the replacement while the
+        learner trains rather than after, as asynchronous RL overlaps generation with
+        training (AReaL, arXiv 2505.24298). A group too stale for its step's version is
+        left to wait_for_step. The step ends at most AHEAD_FETCH_S after the update.
+        Raises what `training` raises; a failure here (a job cancelled, a group out of
+        attempts) waits for the engine thread first."""
+        if not (self.spec.dynamic_sampling and self.spec.max_staleness >= 1):
+            return await training
+        try:
+            while not training.done():
+                for m in await self.bus.fetch(self.sub, TRAJ_FETCH, AHEAD_FETCH_S):
+                    await self.on_trajectory(m)
+                # this step's update is version + 1: step s trains at version + (s - step)
+                for s in range(self.step + 1, self.requested_upto + 1):
+                    for i in range(self.spec.prompts_per_step):
+                        await self.refill_ahead(s, i, self.version + s - self.step)
+        except BaseException:
+            # the engine thread finishes the step before anything can close the engine;
+            # the error raised is this one (the update's, if any, is read and dropped)
+            await asyncio.wait([training])
+            if not training.cancelled():
+                training.exception()
+            raise
+        return await training
+
+    async def refill_ahead(self, s: int, i: int, version: int) -> None:
+        """Replace group `i` of later step `s` (trained at policy version `version`) if
+        it is complete, fresh at that version, not failed, and without signal
+        (refill_due); anything else about it is check_group's, when its step comes."""
+        group = self.ledger.group(s, i)
+        if (len(group) == self.spec.group_trajectories and all(self.lag_ok(h.traj, version) for h in group)
+                and not all(h.traj.error for h in group)
+                and seats_complete([h.traj for h in group], self.spec.group_size)
+                and self.refill_due(s, i, group)):
+            await self.refill_group(s, i)
 
     async def wait_for_step(self) -> list[list[Held]]:
         """Fetch trajectories until every group of `self.step` is complete and fresh.
@@ -482,7 +530,7 @@ class JobRun(RunLifecycle):
         held = [h for g in groups for h in g]
         trajs = [h.traj for h in held]
         t0 = time.monotonic()
-        out = await self.in_engine(self._train_blocking, trajs)
+        out = await self.while_training(asyncio.ensure_future(self.in_engine(self._train_blocking, trajs)))
         train_s = time.monotonic() - t0
         self.check_live()  # a job cancelled mid-step publishes nothing more
         s = self.step
@@ -504,7 +552,7 @@ class JobRun(RunLifecycle):
         log.info("job %s step %d: reward %.3f loss %.4f grad_norm %.4f (%.1f s train, %.1f s wait)",
                  self.job_id, s, statistics.fmean(t.reward for t in trajs), out["loss"],
                  out["grad_norm"], train_s, self.stats.wait_s)
-        self.stats = StepStats()
+        self.stats = self.ahead_stats.pop(self.step, None) or StepStats()
 
     async def publish_metrics(self, s: int, trajs: list[Trajectory], out: dict[str, float],
                               train_s: float, step_s: float) -> None:

@@ -119,6 +119,46 @@ def test_seeds_table_gives_each_seed_and_the_mean_and_sd_leaving_out_a_never():
     assert "no later than sync in 1 of 3 seeds" in text
 
 
+def _spec_run(seed, trl, sync, asyn, date, trl_run_s=800.0, **spec):
+    run = _seed_run(seed, trl, sync, asyn, date=date)
+    run["machine"] = "x86_64 2 cores"
+    job = {"model": "m", "lr": 1e-3, "seed": seed, "dynamic_sampling": 0, **spec}
+    for name in ("sync", "async"):
+        run["systems"][name]["spec"] = job
+    if trl is None and trl_run_s is None:
+        del run["systems"]["trl"]
+    else:
+        run["systems"]["trl"]["train_s"] = trl_run_s
+    return run
+
+
+def test_a_group_run_without_trl_is_set_against_trl_runs_of_the_same_trl_job_and_seed():
+    """An `--only sync,async` group is compared with TRL's runs of other files made before
+    it only where TRL's job is the same (every field TRL reads, the seed, the machine and
+    the libraries); a TRL run
+    that never reached 0.8 gives a lower bound at its whole training time."""
+    old = {f"old{s}": _spec_run(s, t, 300.0, 200.0, "2026-11-29 04:00") for s, t in ((0, 600.0), (1, None))}
+    older = {"older0": _spec_run(0, 900.0, 1.0, 1.0, "2026-11-28 04:00"),
+             "later0": _spec_run(0, 1.0, 1.0, 1.0, "2026-11-29 08:00")}  # made after the group: not its reference
+    other_lr = {"lr0": _spec_run(0, 1.0, 1.0, 1.0, "2026-11-29 06:00", lr=1e-4),
+                "lr1": _spec_run(1, 1.0, 1.0, 1.0, "2026-11-29 06:00", lr=1e-4)}
+    # the group: sync and async with a field TRL does not read changed
+    new = [_spec_run(s, None, 200.0, a, "2026-11-29 07:00", trl_run_s=None, dynamic_sampling=2)
+           for s, a in ((0, 150.0), (1, 160.0))]
+    pool = {**old, **older, **other_lr, **{f"new{i}": r for i, r in enumerate(new)}}
+    assert R.trl_stand_ins(new, pool) == ["old0", "old1"]  # the newest of the same job, per seed
+    assert R.trl_stand_ins(new, {**older, **other_lr}) is None  # seed 1 has none
+    text = R.against_trl_table(new, [old["old0"], old["old1"]])
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    assert rows[0][1:] == ["trl to 0.8 (s)", "sync to 0.8 (s)", "sync vs trl, time", "async to 0.8 (s)",
+                           "async vs trl, time |"]
+    assert rows[1][1:5] == ["600", "200", "3.00", "150"] and rows[1][5] == "4.00 |"
+    assert rows[2][1:5] == ["never (> 800)", "200", "> 4.00", "160"] and rows[2][5] == "> 5.00 |"
+    assert rows[3][3] == "3.00 +- - (1 of 2)"  # one seed has both: no sd
+    assert "async vs trl over all 2 seeds, a TRL run that never reached 0.8 counted at its whole training time: " \
+           "mean >= 4.50 (min 4.00)." in text
+
+
 def test_pass1_is_the_mean_over_problems_with_its_binomial_standard_error():
     got = R.pass1_summary({"2+2": [4, 4], "9+1": [1, 4], "0+3": [2, 5]})
     # by hand: p = 1, 0.25, 0.4; mean 0.55; var terms 0, 0.25*0.75/3 = 0.0625, 0.4*0.6/4 = 0.06
