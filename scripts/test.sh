@@ -9,7 +9,7 @@ export DS_ACCELERATOR=cpu
 # lint first (ruff, [tool.ruff] in pyproject.toml): a lint error fails the run before the long suite
 .venv/bin/ruff check .
 # two workers (pytest-xdist): one process leaves a core idle while a test waits on its
-# services; two keep both busy (21 min of pytest at e0370c5; 37-39 min in one process,
+# services; two keep both busy (19 min of pytest at 1dd49d3; 37-39 min in one process,
 # measured earlier). A file (tests/adversarial: the folder) runs whole on one worker
 # (tests/conftest.py). `-n 0` runs in one process.
 # the slowest tests are listed at the end (--durations): where the suite's time goes

@@ -94,7 +94,7 @@ async def test_an_idle_session_and_a_tinker_job_of_no_session_are_ended(world, a
         orphan = r.json()["job_id"]
         beats = 0
         deadline = time.monotonic() + TINKER_IDLE_S + 240
-        ended = {}
+        ended, reasons = {}, {}
         while time.monotonic() < deadline and len(ended) < 3:
             r = await http.post("/api/v1/session_heartbeat", json={"session_id": sid})  # alive, never idle
             beats += r.status_code == 200
@@ -103,14 +103,15 @@ async def test_an_idle_session_and_a_tinker_job_of_no_session_are_ended(world, a
             for j in (job_id, orphan):
                 rec = (await world.service.job_record(j))[0]
                 if rec.state.terminal:
-                    ended[j] = rec.state
+                    ended[j], reasons[j] = rec.state, rec.reason
             await asyncio.sleep(5)
         assert beats >= 2, beats
         assert ended.get("session") and ended.get(job_id) and ended.get(orphan), (ended, world.services.logs())
         s = decode((await (await world.service.kv(S.KV_TINKER)).get(sid)).value, TinkerSession)
         assert s.finished_s > 0
         # ended as a closed session's model is: completed, its learner free
-        assert ended[job_id] == JobState.COMPLETED and ended[orphan] == JobState.COMPLETED, ended
+        assert ended[job_id] == JobState.COMPLETED and ended[orphan] == JobState.COMPLETED, (
+            ended, reasons, world.services.logs())
     assert all(code is None for code in world.alive().values()), world.alive()
 
 
