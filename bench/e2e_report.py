@@ -276,11 +276,11 @@ def trl_stand_ins(runs: Sequence[Mapping[str, Any]], pool: Mapping[str, Mapping[
     group), per run the newest file of `pool` ({name: results file}) made before it
     whose TRL run is of the same TRL job (trl_job: seed included); None unless every
     run has one."""
+    jobs = {n: trl_job(p) for n, p in pool.items() if "trl" in p.get("systems", {})}
     out = []
     for r in runs:
         job, date = trl_job(r), str(r.get("date", ""))
-        same = [n for n, p in pool.items() if "trl" in p.get("systems", {}) and job and trl_job(p) == job
-                and str(p.get("date", "")) < date]
+        same = [n for n, j in jobs.items() if job and j == job and str(pool[n].get("date", "")) < date]
         if not same:
             return None
         out.append(max(same, key=lambda n: str(pool[n].get("date", ""))))

@@ -118,13 +118,13 @@ def e2e_seeds_section(results: dict[Path, dict]) -> str:
            "system's time to a 0.8 train reward (5-step mean) and held-out greedy accuracy, and\n"
            "the mean +- sample sd over the seeds. Each run is in the next section too.\n"]
     for group in group_of(files):
-        first = files[group[0]]
+        runs = [files[n] for n in group]
+        first = runs[0]
         sets = sets_of(first)
         out.append(f"\n### {first.get('date', '?')[:10]}, commit {str(first.get('commit'))[:7]}"
                    + (f", `--set {' '.join(sets)}`" if sets else "") + "\n\n"
                    + ", ".join(f"`bench/results/{n}`" for n in group) + "\n\n"
-                   + table([files[n] for n in group]) + "\n")
-        runs = [files[n] for n in group]
+                   + table(runs) + "\n")
         trl = None if "trl" in first["systems"] else stand_ins(runs, files)
         if trl:
             out.append("\nTRL was not run with these; against its runs of the same TRL job and seeds made "

@@ -58,9 +58,7 @@ log = logging.getLogger("opentinker.learner")
 # (a redelivered duplicate is recognized by its stream sequence and skipped)
 TRAJ_ACK_WAIT_S = 600.0
 TRAJ_FETCH = 64
-# while a step trains, how long one fetch for later steps' trajectories may wait: the
-# step ends at most this much after its training does (JobRun.while_training)
-AHEAD_FETCH_S = 0.2
+AHEAD_FETCH_S = 0.2  # a fetch during an update (while_training): the step ends <= this after it
 # a group asked for this many times without a usable answer fails the job: the rollout
 # side is broken, and asking forever would hide it
 MAX_ATTEMPTS = 8
@@ -120,8 +118,7 @@ class JobRun(RunLifecycle):
         self.weights_s = 0.0  # the last publish_weights, seconds
         # dynamic sampling: (step, group) -> how many times its prompt was replaced
         self.refill_index: dict[tuple[int, int], int] = {}
-        # what a later step replaced while an earlier one trained (while_training), by step
-        self.ahead_stats: dict[int, StepStats] = {}
+        self.ahead_stats: dict[int, StepStats] = {}  # a later step's replacements (while_training)
 
     async def run(self) -> None:
         """Train to completion. Raises JobStopped (cancel or shutdown) or the error
@@ -327,9 +324,9 @@ class JobRun(RunLifecycle):
                 await self.drop_group(s, i, f"timeout: {len(group)} of {spec.group_trajectories} episodes "
                                             f"{waited:.0f} s after asking (is a rollout worker serving it? "
                                             "see ot.dlq.rollout)")
-        elif not all(self.lag_ok(h.traj) for h in group):
+        elif (fault := self.group_fault(group)) == "stale":
             await self.drop_group(s, i, "stale")
-        elif all(h.traj.error for h in group):
+        elif fault == "failed":
             first = group[0].traj.error
             if first.startswith(SEATS_MISMATCH) and all(h.traj.error == first for h in group):
                 # the spec's seat count does not fit the env: no retry can mend that
@@ -337,10 +334,21 @@ class JobRun(RunLifecycle):
             if first.startswith(TEACHER_MISMATCH) and all(h.traj.error == first for h in group):
                 raise RuntimeError(f"the teacher cannot score this job's tokens: {first[:500]}")
             await self.drop_group(s, i, f"every episode failed: {first[:500]}")
-        elif not seats_complete([h.traj for h in group], spec.group_size):
+        elif fault == "invalid":
             await self.drop_group(s, i, "invalid")
         elif self.refill_due(s, i, group):
             await self.refill_group(s, i)
+
+    def group_fault(self, group: list[Held], version: int | None = None) -> str | None:
+        """Why a complete group cannot be trained at `version` (default: the current):
+        "stale" (lag_ok), "failed" (every episode errored), "invalid" (seats), or None."""
+        if not all(self.lag_ok(h.traj, version) for h in group):
+            return "stale"
+        if all(h.traj.error for h in group):
+            return "failed"
+        if not seats_complete([h.traj for h in group], self.spec.group_size):
+            return "invalid"
+        return None
 
     async def follow_placement(self) -> None:
         """After the scheduler announced a change that does not stop this run: when
@@ -403,15 +411,11 @@ class JobRun(RunLifecycle):
         await self.request_group(s, i)
 
     async def while_training(self, training: asyncio.Future) -> Any:
-        """Await `training` (a step's update on the engine thread) and return its result.
-        Meanwhile, in an asynchronous job with dynamic sampling, take in the trajectories
-        of the later steps already asked for and replace each of their complete groups
-        without signal (refill_due), so the rollout samples the replacement while the
-        learner trains rather than after, as asynchronous RL overlaps generation with
-        training (AReaL, arXiv 2505.24298). A group too stale for its step's version is
-        left to wait_for_step. The step ends at most AHEAD_FETCH_S after the update.
-        Raises what `training` raises; a failure here (a job cancelled, a group out of
-        attempts) waits for the engine thread first."""
+        """Await `training` (a step's update on the engine thread); meanwhile, in an async
+        job with dynamic sampling, take in later steps' trajectories and replace their
+        groups without signal (refill_ahead), so the rollout samples the replacements
+        beside the update (AReaL, arXiv 2505.24298, overlaps generation and training).
+        Raises what `training` raises; an error here waits for the engine thread first."""
         if not (self.spec.dynamic_sampling and self.spec.max_staleness >= 1):
             return await training
         try:
@@ -422,9 +426,7 @@ class JobRun(RunLifecycle):
                 for s in range(self.step + 1, self.requested_upto + 1):
                     for i in range(self.spec.prompts_per_step):
                         await self.refill_ahead(s, i, self.version + s - self.step)
-        except BaseException:
-            # the engine thread finishes the step before anything can close the engine;
-            # the error raised is this one (the update's, if any, is read and dropped)
+        except BaseException:  # the engine finishes first; the update's own error is dropped
             await asyncio.wait([training])
             if not training.cancelled():
                 training.exception()
@@ -433,12 +435,10 @@ class JobRun(RunLifecycle):
 
     async def refill_ahead(self, s: int, i: int, version: int) -> None:
         """Replace group `i` of later step `s` (trained at policy version `version`) if
-        it is complete, fresh at that version, not failed, and without signal
+        it is complete, trainable at that version (group_fault) and without signal
         (refill_due); anything else about it is check_group's, when its step comes."""
         group = self.ledger.group(s, i)
-        if (len(group) == self.spec.group_trajectories and all(self.lag_ok(h.traj, version) for h in group)
-                and not all(h.traj.error for h in group)
-                and seats_complete([h.traj for h in group], self.spec.group_size)
+        if (len(group) == self.spec.group_trajectories and self.group_fault(group, version) is None
                 and self.refill_due(s, i, group)):
             await self.refill_group(s, i)
 

@@ -135,8 +135,8 @@ def _spec_run(seed, trl, sync, asyn, date, trl_run_s=800.0, **spec):
 def test_a_group_run_without_trl_is_set_against_trl_runs_of_the_same_trl_job_and_seed():
     """An `--only sync,async` group is compared with TRL's runs of other files made before
     it only where TRL's job is the same (every field TRL reads, the seed, the machine and
-    the libraries); a TRL run
-    that never reached 0.8 gives a lower bound at its whole training time."""
+    the libraries); a TRL run that never reached 0.8 gives a lower bound at its whole
+    training time."""
     old = {f"old{s}": _spec_run(s, t, 300.0, 200.0, "2026-11-29 04:00") for s, t in ((0, 600.0), (1, None))}
     older = {"older0": _spec_run(0, 900.0, 1.0, 1.0, "2026-11-28 04:00"),
              "later0": _spec_run(0, 1.0, 1.0, 1.0, "2026-11-29 08:00")}  # made after the group: not its reference
