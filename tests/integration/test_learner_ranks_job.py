@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import time
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,9 @@ from opentinker.sdk import Client
 
 from conftest import follow, submit_when_ready, until
 
-STEPS, EVERY = 6, 3
+# Steps of the tiny model take ~0.3 s: enough of them that the SIGKILL, sent once the
+# job record shows a step past the first checkpoint, lands before the job ends.
+STEPS, EVERY = 24, 3
 
 
 def descendants(pid: int) -> set[int]:
@@ -73,6 +76,7 @@ async def test_a_job_trains_on_two_learner_ranks_and_resumes_on_fresh_ones(servi
 
         rec = await until(past_checkpoint, 400, services, f"step {EVERY + 1}")
         assert rec.placement.learner == two, rec  # the learner offering 1 rank cannot hold it
+        assert rec.state == JobState.RUNNING and rec.step < STEPS - EVERY, rec  # the kill lands mid-job
         ranks = descendants(learner.pid)
         assert len(ranks) >= 3, ranks  # torchrun and its 2 ranks
         learner.send_signal(signal.SIGKILL)
@@ -88,7 +92,10 @@ async def test_a_job_trains_on_two_learner_ranks_and_resumes_on_fresh_ones(servi
         assert rec.state == JobState.COMPLETED, rec.history
         assert rec.placement.learner == two
         logs = services.logs()
-        assert f"job {job_id} resumed from step {EVERY - 1}" in logs, logs
+        whole = "".join(f.read_text() for f in sorted(services.log_dir.glob("learner-*.log")))  # logs() keeps tails
+        resumed = [int(k) for k in re.findall(rf"job {job_id} resumed from step (\d+)", whole)]
+        # one resume, from a checkpoint (written after steps EVERY-1, 2*EVERY-1, ...)
+        assert len(resumed) == 1 and (resumed[0] + 1) % EVERY == 0 and resumed[0] < STEPS - 1, (resumed, logs)
         train = [m for m in got if m.split == "train"]
         assert {m.step for m in train} == set(range(STEPS))
         assert all(m.values["learner_ranks"] == 2 for m in train), [m.values["learner_ranks"] for m in train]
