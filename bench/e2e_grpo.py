@@ -477,6 +477,9 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OPENTINKER_HOME", str(ROOT / ".opentinker"))
+    from opentinker.services.core.config import setup_cache_dirs
+
+    setup_cache_dirs(os.environ["OPENTINKER_HOME"])  # TRL's torch here, and the services it starts: not /tmp
     keys = parse_only(args.only)
     from opentinker.services.learner.engine_deepspeed import pick_device
 

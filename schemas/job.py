@@ -271,8 +271,8 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "2025, TIS). With one update a step that ratio is 1: no trust region. `none`: the sampler's "
         "logprobs are PPO's old policy, so the clip bounds how far a stale batch pushes (PPO's coupled form; "
         "the main job's, see Asynchrony in docs/job-spec.md). Reported: `is_weight_mean`, `is_capped_frac`, "
-        "`mismatch_kl` (k3 of KL(sampler || learner)); with `none`, `approx_kl` and `clip_frac` against the "
-        "sampler.")) = "token"
+        "`mismatch_kl` (k3 of KL(sampler || learner), with `none` too: measured before the first optimizer step); "
+        "with `none`, `approx_kl` and `clip_frac` against the sampler.")) = "token"
     rollout_is_mode: Doc(Literal["truncate", "mask"], (
         "`truncate`: weights capped at C = `rollout_is_threshold` (truncated IS); `mask`: weights outside "
         "[1/C, C] zeroed (masked IS; Yao et al. 2025, verl's rollout correction).")) = "truncate"

@@ -228,8 +228,10 @@ class TrainEngine:
         step: the current ones, detached, with a single update; otherwise recomputed once
         per micro-batch before the first update (AReaL arXiv 2505.24298 §4, decoupled PPO).
         Returns loss (mean over updates), grad_norm (the last update's, before clipping),
-        entropy, clip_frac, approx_kl, kl, is_weight_mean, is_capped_frac, mismatch_kl
-        (token means over every pass), tokens (policy tokens in one pass), updates,
+        entropy, clip_frac, approx_kl, kl, is_weight_mean, is_capped_frac (token means over
+        every pass), mismatch_kl (k3 of KL(sampler || learner before the step), a token
+        mean; with rollout_is "none" over the first update's tokens, where the current
+        policy is still the proximal one), tokens (policy tokens in one pass), updates,
         fwd_bwd_s, optimizer_s (seconds). No update, or none with a policy token: nothing
         changes and zeros are returned (an AdamW step on zero gradients would still move the
         weights, by momentum). Raises ValueError when totals (or lrs) do not match updates.
@@ -261,11 +263,11 @@ class TrainEngine:
             for i, lp in zip(used, self.sequence_logprobs([micro_batches[i] for i in used], reference=False)):
                 prox[i] = lp
         sums = dict(loss=0.0, clipped=0.0, approx_kl=0.0, kl=0.0, entropy=0.0, is_w=0.0, is_capped=0.0,
-                    mismatch=0.0, tokens=0.0)
+                    mismatch=0.0, mismatch_tokens=0.0, tokens=0.0)
         t_fb = t_opt = 0.0
         self.engine.train()
         grad_norm = 0.0
-        for u, tot, lr in kept:
+        for n_update, (u, tot, lr) in enumerate(kept):
             if lr is not None:
                 self.set_lr(lr)
             for k, i in enumerate(u):
@@ -301,7 +303,15 @@ class TrainEngine:
                 sums["entropy"] += out.entropy_sum
                 sums["is_w"] += out.is_weight_sum
                 sums["is_capped"] += out.is_capped_sum
-                sums["mismatch"] += out.mismatch_kl_sum
+                if cfg.rollout_is != "none":
+                    sums["mismatch"] += out.mismatch_kl_sum
+                    sums["mismatch_tokens"] += out.tokens
+                elif n_update == 0:
+                    # without the correction nothing computes the proximal logprobs, but
+                    # before the first optimizer step the current policy is the proximal
+                    # one, so its k3 against the sampler is the sampler/learner gap
+                    sums["mismatch"] += out.approx_kl_sum
+                    sums["mismatch_tokens"] += out.tokens
                 sums["tokens"] += out.tokens
             ds_norm = self.engine.get_global_grad_norm()
             if ds_norm is not None:
@@ -324,7 +334,7 @@ class TrainEngine:
             **({"kl": sums["kl"] / n} if cfg.kl_coef > 0 else {}),
             "is_weight_mean": sums["is_w"] / n if cfg.rollout_is != "none" else 1.0,
             "is_capped_frac": sums["is_capped"] / n,
-            "mismatch_kl": sums["mismatch"] / n,
+            "mismatch_kl": sums["mismatch"] / max(sums["mismatch_tokens"], 1.0),
             "tokens": sums["tokens"] / max(1, self.spec.ppo_epochs),
             "updates": float(len(kept)),
             "fwd_bwd_s": t_fb,

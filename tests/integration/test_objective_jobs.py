@@ -112,8 +112,9 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     # async: step 1 was sampled by policy 0 while step 0 trained, and corrected for it
     assert a[1]["policy_lag_max"] == 1 and a[0]["policy_lag_max"] == 0
     assert 0 < a[1]["is_weight_mean"] <= 4.0 and a[1]["mismatch_kl"] >= 0, a
-    # strictly on-policy without the correction: nothing to weight
-    assert c[1]["policy_lag_max"] == 0 and c[1]["is_weight_mean"] == 1.0 and c[1]["mismatch_kl"] == 0
+    # strictly on-policy without the correction: nothing to weight; the gap is still
+    # measured (before the update), and between float32 engines it is numerics only
+    assert c[1]["policy_lag_max"] == 0 and c[1]["is_weight_mean"] == 1.0 and 0 <= c[1]["mismatch_kl"] < 1e-4, c
     # KL in the reward: the loss has no KL term, so no KL to the reference is reported;
     # CISPO's clip is reported, DRO (the updates family) has none to report
     assert "kl" not in r[1] and max(v["grad_norm"] for v in r.values()) > 0

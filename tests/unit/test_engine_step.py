@@ -168,6 +168,36 @@ def test_one_optimizer_update_per_planned_update(tiny_model, rank_env):
         eng.close()
 
 
+def test_the_sampler_learner_gap_is_reported_without_the_correction_too(tiny_model, rank_env):
+    """rollout_is "none" (the main job's) computes no proximal logprobs, and reported a
+    mismatch_kl of 0 whatever the gap. Before the first optimizer step the current
+    policy is the proximal one: the gap is measured there, as a "token" job measures it
+    on the same batch and weights, and over the first update only when there are two."""
+    trajs = [_traj(i, 4 + i, 3, float(i % 2)) for i in range(4)]
+    got = {}
+    for mode in ("token", "none"):
+        torch.manual_seed(0)
+        eng = _engine(tiny_model, rollout_is=mode)
+        try:
+            mbs = micro_batches(trajs, [1.0, -1.0, 1.0, -1.0], 1, eng.pad_id)
+            tot = AggTotals(tokens=float(sum(b.num_tokens for b in mbs)), seqs=4.0, max_len=32.0)
+            got[mode] = eng.train_step(mbs, [[0, 1, 2, 3]], [tot], [1e-3])
+            if mode == "none":
+                halves = [[0, 1], [2, 3]]
+                tots = [AggTotals(float(sum(mbs[i].num_tokens for i in h)), 2.0, 32.0) for h in halves]
+                first = eng.train_step(mbs, halves[:1], tots[:1], [0.0])  # lr 0: the first half, weights kept
+                moved = eng.train_step(mbs, halves, tots, [1.0, 1e-3])  # the second update past a big step
+        finally:
+            eng.close()
+    assert got["none"]["mismatch_kl"] > 0.1  # the sampler's logprobs (-2.0) are far from the tiny model's
+    assert got["none"]["mismatch_kl"] == pytest.approx(got["token"]["mismatch_kl"], rel=1e-4)
+    assert got["none"]["mismatch_kl"] == pytest.approx(got["none"]["approx_kl"], rel=1e-6)
+    # two updates: the gap over the first one's tokens, at the weights before the step
+    # (the second update's tokens, past a step of lr 1, are not at the proximal policy)
+    assert moved["mismatch_kl"] == pytest.approx(first["mismatch_kl"], rel=1e-4)
+    assert moved["approx_kl"] != pytest.approx(first["mismatch_kl"], rel=1e-2)
+
+
 def test_skipping_zero_variance_groups_leaves_the_update_unchanged(tiny_model, rank_env):
     """Two steps from the same weights: the second with group 1 (episodes 2, 3) without
     signal. Forwarding it, and skipping it with the normalizers batching.plan_updates
