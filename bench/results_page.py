@@ -9,7 +9,8 @@ kind: `main_job_seeds.report` for every file `bench/main_job_seeds.py` wrote (th
 and other jobs over seeds), `<stem>.report` for bench/results/<stem>.json (and <stem>_*.json) of each of TASKS
 (tool use, the game against `random`, self-play, distillation), `e2e_report.report_table` for every
 file `bench/e2e_grpo.py` wrote (and `e2e_report.seeds_table` for those that repeat one
-configuration over seeds), `cookbook_recipes.report` for every `*_cookbook.json`, and
+configuration over seeds), `cookbook_recipes.report` for every `*_cookbook.json`,
+`tinker_sample_batch.report` for every `*_tinker_sample_batch.json`, and
 `gpu_bench.report` for every `*_gpu.json`. A results file
 that is missing, or whose report code is, is named on the page instead of a table. Run it
 after a benchmark writes a results file (tests/unit/test_results_page.py fails until then).
@@ -173,11 +174,23 @@ def gpu_section(results: dict[Path, dict]) -> str:
     return out + "\n".join(f"`bench/results/{p.name}`: {report(r)}" for p, r in _newest_first(files))
 
 
+def sample_batch_section(results: dict[Path, dict]) -> str:
+    """A Tinker sampling session's calls batched on a rollout worker (bench/tinker_sample_batch.py)."""
+    files = {p: r for p, r in results.items() if p.name.endswith("_tinker_sample_batch.json")}
+    out = "## Tinker `sample` calls, batched on a rollout worker (`bench/tinker_sample_batch.py`), newest first\n\n"
+    if not files:
+        return out + "No `bench/results/*_tinker_sample_batch.json` in this checkout.\n"
+    report = _report("tinker_sample_batch", "report")
+    if report is None:
+        return out + "`bench/tinker_sample_batch.py`, the report of these files, is not in this checkout.\n"
+    return out + "\n".join(f"`bench/results/{p.name}`: {report(r)}" for p, r in _newest_first(files))
+
+
 def build() -> str:
     results = _results()
     parts = [HEADER, seeds_section(results), *(task_section(results, *t) for t in TASKS), e2e_seeds_section(results),
              e2e_section(results),
-             cookbook_section(results), gpu_section(results), HISTORY.read_text()]
+             cookbook_section(results), sample_batch_section(results), gpu_section(results), HISTORY.read_text()]
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 

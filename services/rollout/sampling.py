@@ -12,7 +12,10 @@ the lock is released (cut_at_stop); with
 `prompt_logprobs`, the prompt's token logprobs under the same policy (and with
 `topk_prompt_logprobs`, the k most likely tokens at each position). The answer,
 or the reason there is none, goes to `ot.job.<sampler>.results.<seq_id>` (OT_TINKER),
-where the tinker service reads it; then the request is acked.
+where the tinker service reads it; then the request is acked. The requests of one
+fetched batch for the same sampling session and weights (batch_key) share one engine
+call, each prompt with its own parameters (samples_blocking): a loop that sends many
+`sample` calls at once, as an RL loop does, has them decoded together.
 
 Admission as for rollout requests: a job not placed on this worker, or not an
 inference job, is dead-lettered; a finished job's request is acked and dropped.
@@ -29,7 +32,7 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from opentinker.schemas import SamplingParams
+from opentinker.schemas import JobRecord, SamplingParams
 from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import TOPK_MASK_LOGPROB, SampledSequence, TinkerSample, TinkerSamples
 from opentinker.services.rollout.weights import WeightsError
@@ -91,11 +94,9 @@ def out_of_vocab(ids: list[int], tokenizer: Any) -> str:
     return "" if bad is None else f"token id {bad} is out of the model's vocabulary (0 to {vocab - 1})"
 
 
-def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[float], dict[str, Any]]:
-    """The engine's completions (agent_loop.GenOut, not yet cut at the stops), (when
-    asked) prompt logprobs and top-k prompt logprobs (TinkerSamples' topk_* fields, {}
-    when not asked) of `req` on `engine`. Raises ValueError for a prompt that leaves no
-    room under the engine's max_model_len."""
+def sample_params(engine: Any, req: TinkerSample) -> SamplingParams:
+    """The engine's sampling parameters for `req`. Raises ValueError for a prompt token
+    outside the vocabulary, or a prompt that leaves no room under max_model_len."""
     why = out_of_vocab(req.tokens, engine.tokenizer)
     if why:
         raise ValueError(f"prompt: {why}")
@@ -103,9 +104,13 @@ def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[flo
     if not req.tokens or room < 1:
         raise ValueError(f"prompt: {len(req.tokens)} tokens (1 to {engine.max_model_len - 1} on this worker)")
     n = min(req.max_tokens, room)
-    sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_new_tokens=n,
-                        max_total_tokens=len(req.tokens) + n)
-    outs = engine.generate([list(req.tokens)] * req.num_samples, sp)
+    return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_new_tokens=n,
+                          max_total_tokens=len(req.tokens) + n)
+
+
+def prompt_scores(engine: Any, req: TinkerSample) -> tuple[list[float], dict[str, Any]]:
+    """(When asked) `req`'s prompt logprobs and top-k prompt logprobs (TinkerSamples'
+    topk_* fields; [] and {} when not asked) on `engine`."""
     prompt: list[float] = []
     topk: dict[str, Any] = {}
     cut = len(req.tokens) - req.prompt_logprobs_last_n if req.prompt_logprobs_last_n else 0
@@ -120,16 +125,56 @@ def sample_blocking(engine: Any, req: TinkerSample) -> tuple[list[Any], list[flo
         prompt = [float("nan") if x is None else x for x in scores]
         if cut:  # Tinker's prompt_logprobs_last_n: the suffix only
             prompt = [float("nan")] * cut + prompt[cut:]
-    return outs, prompt, topk
+    return prompt, topk
 
 
-async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
-    """Answer one TinkerSample message (module docstring); it always ends acked or
-    dead-lettered, except on shutdown (redelivered)."""
+Sampled = tuple[list[Any], list[float], dict[str, Any]]
+
+
+def samples_blocking(engine: Any, reqs: list[TinkerSample]) -> list[Sampled | ValueError]:
+    """Per request of `reqs`, in order: its completions (agent_loop.GenOut, not yet cut
+    at the stops), prompt logprobs and top-k prompt logprobs (prompt_scores), or the
+    ValueError that refuses it (sample_params) and no other. Every request's
+    `num_samples` completions come from one engine.generate call, each prompt with its
+    own request's parameters: one batch, where one call per request ran its decoding
+    steps again for each. Raises what the engine raises for the batch as a whole."""
+    got: list[Sampled | ValueError | None] = [None] * len(reqs)
+    prompts: list[list[int]] = []
+    params: list[SamplingParams] = []
+    served: list[int] = []
+    for i, req in enumerate(reqs):
+        try:
+            sp = sample_params(engine, req)
+        except ValueError as e:
+            got[i] = e
+            continue
+        prompts += [list(req.tokens)] * req.num_samples
+        params += [sp] * req.num_samples
+        served.append(i)
+    outs = engine.generate(prompts, params) if prompts else []
+    at = 0
+    for i in served:
+        mine, at = outs[at:at + reqs[i].num_samples], at + reqs[i].num_samples
+        try:
+            got[i] = (mine, *prompt_scores(engine, reqs[i]))
+        except ValueError as e:
+            got[i] = e
+    return got  # type: ignore[return-value]
+
+
+def batch_key(req: TinkerSample) -> tuple[str, str, tuple[int, str] | None]:
+    """Requests served by one engine call: one job's, one sampling session's (one
+    user's), on the same weights."""
+    return req.job_id, req.sampler, (req.weights.policy_version, req.weights.sha256) if req.weights else None
+
+
+async def admit_sample(worker: RolloutWorker, m: Msg) -> tuple[TinkerSample, JobRecord] | None:
+    """The TinkerSample in `m` and its job's record, when this worker serves it; else
+    None, with `m` dead-lettered (malformed, refused) or acked (its job has ended)."""
     bus = worker.bus
     req = await bus.decode_or_dead_letter(m, TinkerSample)
     if req is None:
-        return
+        return None
     try:
         S.tinker_result(req.sampler, 0)  # a sampler id is a job-id-shaped subject token
     except ValueError as e:
@@ -139,7 +184,7 @@ async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
     if why:
         await bus.dead_letter(m, f"TinkerSample: {why}")
         await m.term()
-        return
+        return None
     try:
         got = await bus.job_record(req.job_id)
     except msgspec.MsgspecError as e:
@@ -150,40 +195,65 @@ async def serve_sample(worker: RolloutWorker, m: Msg) -> None:
     if rec is not None and rec.state.terminal:
         log.info("sample %s of job %s: the job is %s; dropped", req.seq_id, req.job_id, rec.state.value)
         await m.ack()
-        return
+        return None
     if rec is not None:
         why = ("" if rec.kind == "inference" and rec.placement is not None and worker.worker in rec.placement.rollout
                and rec.attempt == req.attempt
                else f"job {req.job_id} is not an inference job placed on {worker.worker} at attempt {req.attempt}")
-    if why:
+    if why or rec is None:
         await bus.dead_letter(m, f"TinkerSample refused: {why}")
         await m.term()
-        return
-    answer = {"sampler": req.sampler, "seq_id": req.seq_id, "record_key": req.record_key}
-    beat = asyncio.create_task(_in_progress(m))
+        return None
+    return req, rec
+
+
+async def serve_samples(worker: RolloutWorker, rec: JobRecord, items: list[tuple[TinkerSample, Msg]]) -> None:
+    """Answer admitted TinkerSamples of one batch_key (module docstring), job `rec`'s, in
+    one engine call; each message ends acked, except on shutdown (redelivered). A
+    request the engine refuses fails alone; a failure of the call fails each request."""
+    bus = worker.bus
+    reqs = [r for r, _ in items]
+
+    def answer(req: TinkerSample, **kw: Any) -> TinkerSamples:
+        return TinkerSamples(sampler=req.sampler, seq_id=req.seq_id, record_key=req.record_key, **kw)
+
+    beats = [asyncio.create_task(_in_progress(m)) for _, m in items]
     try:
         slot = await worker.engine_for_model(rec.spec.model, rec.spec.engine, rec.spec.sampler_dtype,
                                              rec.spec.dtype)
         async with slot.lock:
-            version = await worker.policies.ensure_weights(slot, req.sampler, req.weights)
-            outs, prompt, topk = await asyncio.get_running_loop().run_in_executor(
-                slot.executor, sample_blocking, slot.engine, req)
-        # the stops are matched after the engine's lock is released (the engine slot is
-        # shared by every job of this base model)
-        seqs = await asyncio.to_thread(lambda: [cut_at_stop(o, req, slot.engine.tokenizer) for o in outs])
-        result = TinkerSamples(**answer, sequences=seqs, prompt_logprobs=prompt, policy_version=version, **topk)
+            version = await worker.policies.ensure_weights(slot, reqs[0].sampler, reqs[0].weights)
+            got = await asyncio.get_running_loop().run_in_executor(slot.executor, samples_blocking, slot.engine, reqs)
+        results = []
+        for req, g in zip(reqs, got):
+            if isinstance(g, ValueError):
+                results.append(answer(req, error=str(g), category="user"))
+                continue
+            outs, prompt, topk = g
+            try:
+                # the stops are matched after the engine's lock is released (the engine
+                # slot is shared by every job of this base model)
+                seqs = await asyncio.to_thread(lambda: [cut_at_stop(o, req, slot.engine.tokenizer) for o in outs])
+            except Exception as e:  # what this request's stops set off fails it alone
+                log.exception("sample %s of job %s failed", req.seq_id, req.job_id)
+                results.append(answer(req, error=f"{type(e).__name__}: {e}", category="user"))
+                continue
+            results.append(answer(req, sequences=seqs, prompt_logprobs=prompt, policy_version=version, **topk))
     except ValueError as e:
-        result = TinkerSamples(**answer, error=str(e), category="user")
+        results = [answer(req, error=str(e), category="user") for req in reqs]
     except (OSError, RuntimeError, ImportError, WeightsError) as e:  # the model, the engine or the weights failed
-        log.exception("sample %s of job %s failed", req.seq_id, req.job_id)
-        result = TinkerSamples(**answer, error=f"{type(e).__name__}: {e}", category="server")
-    except Exception as e:  # anything else the request's content set off fails that request, not the worker
-        log.exception("sample %s of job %s failed", req.seq_id, req.job_id)
-        result = TinkerSamples(**answer, error=f"{type(e).__name__}: {e}", category="user")
+        log.exception("samples %s of job %s failed", [r.seq_id for r in reqs], rec.job_id)
+        results = [answer(req, error=f"{type(e).__name__}: {e}", category="server") for req in reqs]
+    except Exception as e:  # anything else the requests' content set off fails them, not the worker
+        log.exception("samples %s of job %s failed", [r.seq_id for r in reqs], rec.job_id)
+        results = [answer(req, error=f"{type(e).__name__}: {e}", category="user") for req in reqs]
     finally:
-        beat.cancel()
-    await bus.publish(S.tinker_result(req.sampler, req.seq_id), result, msg_id=f"{req.sampler}:result{req.seq_id}")
-    await m.ack()
+        for b in beats:
+            b.cancel()
+    for (req, m), result in zip(items, results):
+        await bus.publish(S.tinker_result(req.sampler, req.seq_id), result,
+                          msg_id=f"{req.sampler}:result{req.seq_id}")
+        await m.ack()
 
 
 async def _in_progress(m: Msg) -> None:

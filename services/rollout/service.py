@@ -64,8 +64,9 @@ import nats.errors
 import torch
 from nats.aio.msg import Msg
 
-from opentinker.schemas import RolloutRequest, Trajectory
+from opentinker.schemas import JobRecord, RolloutRequest, Trajectory
 from opentinker.schemas.rollout import TEACHER_MISMATCH
+from opentinker.schemas.tinker import TinkerSample
 from opentinker.schemas import subjects as S
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import TRANSIENT, Bus
@@ -76,7 +77,7 @@ from opentinker.services.core.runner import run_service
 from opentinker.services.rollout.agent_loop import AgentLoop
 from opentinker.services.rollout.env_client import ENV_SETUP_RETRY_S, NatsEnvClient
 from opentinker.services.rollout.policy import EngineSlot, PolicyTracker, WeightsUnavailable
-from opentinker.services.rollout.sampling import is_sample, serve_sample
+from opentinker.services.rollout.sampling import admit_sample, batch_key, is_sample, serve_samples
 from opentinker.services.rollout.teacher import check_teacher_vocab
 from opentinker.services.rollout.weights import WeightsError
 
@@ -294,9 +295,13 @@ class RolloutWorker:
         pending: dict[int, Msg] = {}
         seen: set[tuple[str, str]] = set()
         parts: dict[tuple[str, str, str, str, int], list[tuple[RolloutRequest, Msg]]] = {}
+        samples: dict[tuple, tuple[JobRecord, list[tuple[TinkerSample, Msg]]]] = {}
         for m in msgs:
             if is_sample(m):  # a Tinker API sampling session's call (sampling.py)
-                await serve_sample(self, m)
+                admitted = await admit_sample(self, m)
+                if admitted is not None:
+                    sample, rec = admitted
+                    samples.setdefault(batch_key(sample), (rec, []))[1].append((sample, m))
                 continue
             req = await self.bus.decode_or_dead_letter(m, RolloutRequest)
             if req is None:
@@ -325,6 +330,8 @@ class RolloutWorker:
             # they run apart from the job's training groups, which take its newest policy
             pinned = req.policy_version if req.purpose == "eval" else -1
             parts.setdefault((req.model, req.engine, req.job_id, req.policy_run, pinned), []).append((req, m))
+        for rec, items in samples.values():  # one engine call per sampling session and weights
+            await serve_samples(self, rec, items)
         for key in [k for k in parts if k[4] >= 0]:
             # an evaluation's part takes the job's training groups along when they ask
             # for no newer policy than the evaluated one: one engine batch, every

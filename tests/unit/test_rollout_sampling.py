@@ -88,3 +88,41 @@ def test_stops_are_bounded_at_the_edge():
                        (list(range(MAX_STOP_TOKENS + 1)), "stop tokens")):
         with pytest.raises(wire.WireError, match=f"sampling_params.stop: .*{match}"):
             wire.stops(bad)
+
+
+def test_one_batch_of_sample_calls_is_one_engine_call_and_a_bad_one_fails_alone(tiny_model):
+    """A fetched batch of a sampling session's `sample` calls ran one engine.generate per
+    call; now one for the batch, each prompt with its own call's parameters, and a call
+    the engine cannot take (a token outside the vocabulary, no room) fails alone."""
+    from opentinker.services.rollout.engine_hf import HFEngine
+    from opentinker.services.rollout.sampling import batch_key, samples_blocking
+
+    eng = HFEngine(tiny_model, seed=3)
+    calls = []
+    generate = eng.generate
+
+    def counted(prompts, sampling, *a, **kw):
+        calls.append([(len(p), s.max_new_tokens, s.temperature) for p, s in zip(prompts, sampling)])
+        return generate(prompts, sampling, *a, **kw)
+
+    eng.generate = counted
+    vocab = len(eng.tokenizer)
+    def call(tokens, **kw):
+        return TinkerSample(job_id="j", sampler="ts-0123456789-s0", seq_id=0, tokens=tokens, **kw)
+
+    reqs = [call([5, 6, 7], num_samples=3, max_tokens=4),
+            call([5, vocab + 1], num_samples=2),
+            call([8], num_samples=2, max_tokens=6, temperature=0.0),
+            call([9] * eng.max_model_len),
+            call([5, 6, 7, 8], max_tokens=2, prompt_logprobs=True)]
+    got = samples_blocking(eng, reqs)
+    assert len(calls) == 1 and calls[0] == [(3, 4, 1.0)] * 3 + [(1, 6, 0.0)] * 2 + [(4, 2, 1.0)], calls
+    assert [type(g).__name__ for g in got] == ["tuple", "ValueError", "tuple", "ValueError", "tuple"]
+    assert "out of the model's vocabulary" in str(got[1]) and "tokens (1 to" in str(got[3])
+    assert [len(g[0]) for g in (got[0], got[2], got[4])] == [3, 2, 1]
+    assert all(1 <= len(o.token_ids) <= 4 for o in got[0][0]) and all(len(o.token_ids) <= 2 for o in got[4][0])
+    assert got[2][0][0].token_ids == got[2][0][1].token_ids  # temperature 0: greedy, both alike
+    assert got[0][1] == [] and len(got[4][1]) == 4 and got[4][2] == {}
+    # one user's session on one set of weights per batch: another sampler is another batch
+    other = TinkerSample(job_id="j", sampler="ts-0123456789-s1", seq_id=0, tokens=[1])
+    assert batch_key(reqs[0]) == batch_key(reqs[4]) != batch_key(other)
