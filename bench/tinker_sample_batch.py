@@ -63,9 +63,11 @@ def main() -> None:
 
         engine = HFEngine(model_dir, device="cpu", dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
     tok = engine.tokenizer
-    calls = [TinkerSample(job_id="bench", sampler="ts-0123456789-s0", seq_id=i,
-                          tokens=tok.apply_chat_template([{"role": "user", "content": f"What is {i % 10} + {i // 3}?"}],
-                                                         add_generation_prompt=True, tokenize=True),
+    def prompt(i: int) -> list[int]:
+        chat = [{"role": "user", "content": f"What is {i % 10} + {i // 3}?"}]
+        return tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
+
+    calls = [TinkerSample(job_id="bench", sampler="ts-0123456789-s0", seq_id=i, tokens=prompt(i),
                           num_samples=args.num_samples, max_tokens=args.max_tokens, temperature=1.0)
              for i in range(args.calls)]
     samples_blocking(engine, calls[:2])  # warm up
