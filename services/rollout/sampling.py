@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -223,7 +224,11 @@ async def serve_samples(worker: RolloutWorker, rec: JobRecord, items: list[tuple
                                              rec.spec.dtype)
         async with slot.lock:
             version = await worker.policies.ensure_weights(slot, reqs[0].sampler, reqs[0].weights)
+            t0 = time.perf_counter()
             got = await asyncio.get_running_loop().run_in_executor(slot.executor, samples_blocking, slot.engine, reqs)
+        if len(reqs) > 1:
+            log.info("sampler %s: %d sample calls, %d sequences in one engine call (%.2f s)", reqs[0].sampler,
+                     len(reqs), sum(r.num_samples for r in reqs), time.perf_counter() - t0)
         results = []
         for req, g in zip(reqs, got):
             if isinstance(g, ValueError):

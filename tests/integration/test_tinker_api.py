@@ -12,6 +12,7 @@ foreign provenance refused); user metadata and ttl_seconds on runs and saves. Se
 that end badly (a script that exits, a learner lost) are in test_tinker_sessions.py."""
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -344,6 +345,12 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
         top1 = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=4,
                                    sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0,
                                                                          top_k=1)).result()
+        # an RL loop's burst of calls (each a future, none waited for before the next):
+        # the rollout worker serves those it fetches together in one engine call
+        burst = [base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params)
+                 for _ in range(8)]
+        burst = [f.result() for f in burst]
+        assert all(len(r.sequences) == 2 and all(1 <= len(s.tokens) <= 3 for s in r.sequences) for r in burst)
         # what the cookbook's on-policy distillation asks of a teacher: the logprobs of a sequence
         scored = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt)).result()
         suffix = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt), prompt_logprobs_last_n=3).result()
@@ -356,6 +363,9 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
     rewards, base_rate, one, n_prompt, oov, top1, scored = await asyncio.to_thread(run_sdk, base, keys["alice"],
                                                                                  loop)
     assert "out of the model's vocabulary" in oov, oov
+    together = [int(n) for n in re.findall(r"sampler \S+: (\d+) sample calls, \d+ sequences in one engine call",
+                                           "".join(f.read_text() for f in services.log_dir.glob("rollout-*.log")))]
+    assert together and max(together) >= 2, together
     print(f"base model: {base_rate:.3f} (64 samples); reward by iteration: {[round(x, 3) for x in rewards]}")
     # the last three iterations (48 samples) against the base model's rate (64 samples):
     # the first iterations are no baseline, one step at this learning rate moves the rate
