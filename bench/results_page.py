@@ -149,41 +149,36 @@ def e2e_section(results: dict[Path, dict]) -> str:
     return "".join(out)
 
 
+def files_section(results: dict[Path, dict], suffix: str, title: str, module: str, sep: str = ": ",
+                  why_none: str = "") -> str:
+    """The results files `*<suffix>`, newest first, each named and shown by
+    `<module>.report` (a bench script of its own), under `## <title>, newest first`."""
+    files = {p: r for p, r in results.items() if p.name.endswith(suffix)}
+    out = f"## {title}, newest first\n\n"
+    if not files:
+        return out + f"No `bench/results/*{suffix}` in this checkout{why_none}.\n"
+    report = _report(module, "report")
+    if report is None:
+        return out + f"`bench/{module}.py`, the report of these files, is not in this checkout.\n"
+    return out + "\n".join(f"`bench/results/{p.name}`{sep}{report(r)}" for p, r in _newest_first(files))
+
+
 def cookbook_section(results: dict[Path, dict]) -> str:
-    """tinker-cookbook's recipes against `opentinker up` (bench/cookbook_recipes.py), newest first."""
-    files = {p: r for p, r in results.items() if p.name.endswith("_cookbook.json")}
-    out = "## tinker-cookbook against `opentinker up` (`bench/cookbook_recipes.py`), newest first\n\n"
-    if not files:
-        return out + "No `bench/results/*_cookbook.json` in this checkout.\n"
-    report = _report("cookbook_recipes", "report")
-    if report is None:
-        return out + "`bench/cookbook_recipes.py`, the report of these files, is not in this checkout.\n"
-    return out + "\n".join(f"`bench/results/{p.name}`\n\n{report(r)}" for p, r in _newest_first(files))
-
-
-def gpu_section(results: dict[Path, dict]) -> str:
-    """The GPU bench's runs (bench/gpu_bench.py, `*_gpu.json`), newest first."""
-    files = {p: r for p, r in results.items() if p.name.endswith("_gpu.json")}
-    out = "## The GPU bench (`bench/gpu_bench.py`), newest first\n\n"
-    if not files:
-        return out + ("No `bench/results/*_gpu.json` in this checkout: it runs on a lent GPU "
-                      "(`scripts/gpu_check.sh --bench`).\n")
-    report = _report("gpu_bench", "report")
-    if report is None:
-        return out + "`bench/gpu_bench.py`, the report of these files, is not in this checkout.\n"
-    return out + "\n".join(f"`bench/results/{p.name}`: {report(r)}" for p, r in _newest_first(files))
+    """tinker-cookbook's recipes against `opentinker up` (bench/cookbook_recipes.py)."""
+    return files_section(results, "_cookbook.json", "tinker-cookbook against `opentinker up` "
+                         "(`bench/cookbook_recipes.py`)", "cookbook_recipes", sep="\n\n")
 
 
 def sample_batch_section(results: dict[Path, dict]) -> str:
     """A Tinker sampling session's calls batched on a rollout worker (bench/tinker_sample_batch.py)."""
-    files = {p: r for p, r in results.items() if p.name.endswith("_tinker_sample_batch.json")}
-    out = "## Tinker `sample` calls, batched on a rollout worker (`bench/tinker_sample_batch.py`), newest first\n\n"
-    if not files:
-        return out + "No `bench/results/*_tinker_sample_batch.json` in this checkout.\n"
-    report = _report("tinker_sample_batch", "report")
-    if report is None:
-        return out + "`bench/tinker_sample_batch.py`, the report of these files, is not in this checkout.\n"
-    return out + "\n".join(f"`bench/results/{p.name}`: {report(r)}" for p, r in _newest_first(files))
+    return files_section(results, "_tinker_sample_batch.json", "Tinker `sample` calls, batched on a rollout "
+                         "worker (`bench/tinker_sample_batch.py`)", "tinker_sample_batch")
+
+
+def gpu_section(results: dict[Path, dict]) -> str:
+    """The GPU bench's runs (bench/gpu_bench.py, `*_gpu.json`)."""
+    return files_section(results, "_gpu.json", "The GPU bench (`bench/gpu_bench.py`)", "gpu_bench",
+                         why_none=": it runs on a lent GPU (`scripts/gpu_check.sh --bench`)")
 
 
 def build() -> str:
