@@ -44,6 +44,14 @@ def pick_device(device: str) -> str:
     return device
 
 
+def _one_process_env() -> None:
+    """The rank variables of a group of this one process, where none are set (DeepSpeed
+    asserts LOCAL_RANK at each engine; something may have unset them since the group
+    was made, such as a test's environment restored)."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+
+
 def _init_distributed(device: str) -> tuple[int, int]:
     """The torch.distributed group DeepSpeed needs, once per process; returns (rank,
     world size). Under DeepSpeed's launcher or torchrun (RANK, LOCAL_RANK, WORLD_SIZE,
@@ -52,6 +60,8 @@ def _init_distributed(device: str) -> tuple[int, int]:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if dist.get_world_size() == 1:  # this process's own group: DeepSpeed still reads LOCAL_RANK
+            _one_process_env()
         return dist.get_rank(), dist.get_world_size()
     backend = "nccl" if device == "cuda" else "gloo"
     if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
@@ -59,8 +69,7 @@ def _init_distributed(device: str) -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)  # env:// from the launcher
         return dist.get_rank(), dist.get_world_size()
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
+    _one_process_env()
     # the rendezvous address goes in the call, not in os.environ: processes this one
     # starts later (a test's services) would inherit a port it holds
     dist.init_process_group(backend=backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")

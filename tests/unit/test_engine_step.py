@@ -198,6 +198,20 @@ def test_the_sampler_learner_gap_is_reported_without_the_correction_too(tiny_mod
     assert moved["approx_kl"] != pytest.approx(first["mismatch_kl"], rel=1e-2)
 
 
+def test_an_engine_made_after_its_process_group_lost_the_rank_variables_starts(tiny_model, rank_env, monkeypatch):
+    """The one-process group outlives the environment it was made in (a test's rank
+    variables restored at its end); DeepSpeed asserts LOCAL_RANK at each engine, so a
+    later engine in that process failed (seen in CI: test_gpu_bench after this file)."""
+    _engine(tiny_model).close()  # the group exists from here on, whoever made it
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    eng = _engine(tiny_model)
+    try:
+        assert eng.world_size == 1 and os.environ["LOCAL_RANK"] == "0"
+    finally:
+        eng.close()
+
+
 def test_skipping_zero_variance_groups_leaves_the_update_unchanged(tiny_model, rank_env):
     """Two steps from the same weights: the second with group 1 (episodes 2, 3) without
     signal. Forwarding it, and skipping it with the normalizers batching.plan_updates
