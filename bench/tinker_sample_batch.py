@@ -63,6 +63,7 @@ def main() -> None:
 
         engine = HFEngine(model_dir, device="cpu", dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
     tok = engine.tokenizer
+
     def prompt(i: int) -> list[int]:
         chat = [{"role": "user", "content": f"What is {i % 10} + {i // 3}?"}]
         return tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))["input_ids"]
