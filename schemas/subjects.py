@@ -3,6 +3,7 @@
 | subject                         | stream      | producer   | consumers                 |
 |---------------------------------|-------------|------------|---------------------------|
 | ot.ctl.submit / ot.ctl.cancel   | (req/reply) | SDK        | scheduler                 |
+| ot.ctl.submit.<pool>            | (req/reply) | SDK, tinker API | that pool's scheduler |
 | ot.ctl.assign.learner.<worker>  | OT_CTL      | scheduler  | that learner (work queue) |
 | ot.job.<id>.events              | OT_EVENTS   | sched/lrn  | scheduler, SDK            |
 | ot.job.<id>.rollout.<worker>    | OT_ROLLOUT  | learner    | that rollout worker       |
@@ -164,6 +165,15 @@ def check_worker_id(worker_id: str) -> str:
     if not ENV_NAME_RE.match(worker_id):
         raise ValueError(f"invalid worker id {worker_id!r}: must match {ENV_NAME_RE.pattern}")
     return worker_id
+
+
+def submit_subject(pool: str = "") -> str:
+    """Where a SubmitJob goes: `ot.ctl.submit.<pool>`, answered by a scheduler of that
+    pool only; `ot.ctl.submit` (pool ""), by a scheduler of any pool (every scheduler
+    answers both). With several pools on one NATS, a job submitted without a pool lands
+    in whichever pool's scheduler takes it. Raises ValueError for a pool that is not a
+    subject token."""
+    return f"{SUBMIT}.{check_worker_id(pool)}" if pool else SUBMIT
 
 
 def assign_learner(worker_id: str) -> str:

@@ -357,22 +357,27 @@ class Client:
     """An OpenTinker client over one NATS connection (and the REST API, as a user)."""
 
     def __init__(self, bus: Bus, api_key: str = "", reader: Reader | None = None,
-                 connect_live: Callable[[], Awaitable[Bus]] | None = None):
+                 connect_live: Callable[[], Awaitable[Bus]] | None = None, pool: str = ""):
         self.bus = bus
         self.api_key = api_key
+        self.pool = pool  # "" : a bus submit goes to any pool's scheduler (subjects.submit_subject)
         self.reader = reader or BusReader(bus)
         self._connect_live = connect_live
         self._live: dict[str, Bus] = {}
 
     @classmethod
     async def connect(cls, nats_url: str | None = None, api_key: str | None = None,
-                      api_url: str | None = None) -> Client:
+                      api_url: str | None = None, pool: str | None = None) -> Client:
         """Connect to `nats_url` (default $NATS_URL, then nats://127.0.0.1:4222) with
         `api_key` (default: `default_api_key()`). The identity (module docstring): a
         service with $NATS_NKEY/$NATS_CREDS or on this machine's own stack (`opentinker
         up`); else a user when `api_url` (default $OPENTINKER_API_URL) names the REST
-        API; else a bare bus. Raises nats.errors.Error ('Authorization Violation') when
-        the server refuses the key, AuthenticationError with no key."""
+        API; else a bare bus. `pool` (default $OPENTINKER_POOL, the services' own setting)
+        is the worker pool a bus submit goes to; "" or unset: any pool's scheduler (one
+        pool: the same). A user's submits go to the REST API, whose scheduler's pool it
+        is. Raises nats.errors.Error ('Authorization Violation') when the server refuses
+        the key, AuthenticationError with no key, ValueError for a pool that is not a
+        subject token."""
         import os
 
         from opentinker.services.core.config import default_nats_url, service_credentials
@@ -380,10 +385,12 @@ class Client:
         key = default_api_key() if api_key is None else api_key
         url = default_nats_url(nats_url)
         api_url = api_url if api_url is not None else os.environ.get("OPENTINKER_API_URL", "")
+        pool = os.environ.get("OPENTINKER_POOL", "") if pool is None else pool
+        S.submit_subject(pool)  # a bad pool fails here, before connecting
         if service_credentials(url) or not api_url:
             # a service (Bus.connect uses those credentials), or a bus without the REST
             # API: records and history straight from JetStream
-            return cls(await Bus.connect(url, "sdk"), key)
+            return cls(await Bus.connect(url, "sdk"), key, pool=pool)
         if not key:
             raise AuthenticationError("no API key: pass api_key=, set OPENTINKER_API_KEY or OPENTINKER_API_KEY_FILE")
 
@@ -429,7 +436,7 @@ class Client:
 
         Raises SpecError naming the field when the spec (locally or at the scheduler) is
         invalid, AuthenticationError when the API key is refused,
-        nats.errors.NoRespondersError when no scheduler runs.
+        nats.errors.NoRespondersError when no scheduler (of the client's `pool`) runs.
         """
         cmd = SubmitJob(spec=_spec(spec, kind), job_id=job_id, kind=kind, policy_of=policy_of, plan=plan)
         return (await self._submit(cmd, timeout_s))[0]
@@ -439,7 +446,7 @@ class Client:
             reply = await self.reader.submit(cmd)
         else:
             cmd = msgspec.structs.replace(cmd, api_key=self.api_key)
-            reply = await self.bus.request(S.SUBMIT, cmd, SubmitReply, timeout_s=timeout_s)
+            reply = await self.bus.request(S.submit_subject(self.pool), cmd, SubmitReply, timeout_s=timeout_s)
         if not reply.ok and reply.field == "api_key":
             raise AuthenticationError(reply.error)
         if not reply.ok:
@@ -495,11 +502,11 @@ class SyncClient:
     """Blocking wrappers around Client, for notebooks and scripts. Runs a private event
     loop in a daemon thread."""
 
-    def __init__(self, nats_url: str | None = None, api_key: str | None = None):
+    def __init__(self, nats_url: str | None = None, api_key: str | None = None, pool: str | None = None):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._client: Client = self._run(Client.connect(nats_url, api_key))
+        self._client: Client = self._run(Client.connect(nats_url, api_key, pool=pool))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

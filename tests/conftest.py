@@ -207,8 +207,11 @@ class Services:
         self.procs.append((name, p))
         return p
 
-    def logs(self) -> str:
-        return "\n".join(f"=== {f.name}\n{f.read_text()[-4000:]}" for f in sorted(self.log_dir.glob("*.log")))
+    def logs(self, tail: int | None = 4000) -> str:
+        """Every service's log under a `=== <file>` line: the last `tail` characters of
+        each (an assertion's message), or whole with tail=None (what a test searches)."""
+        return "\n".join(f"=== {f.name}\n{f.read_text()[-tail if tail else 0:]}"
+                         for f in sorted(self.log_dir.glob("*.log")))
 
     def stop_all(self) -> None:
         for _, p in self.procs:

@@ -6,7 +6,8 @@ passes here. It keeps no state of its own: records, the pool (`ot_workers`) and
 learners' reports all live in JetStream, so it can be killed and restarted at any time.
 
 Reads:
-- `ot.ctl.submit` (request/reply, queue group "scheduler"): SubmitJob -> SubmitReply.
+- `ot.ctl.submit` and `ot.ctl.submit.<pool>` (request/reply, queue group "scheduler"):
+  SubmitJob -> SubmitReply. The first is any pool's, the second this pool's only.
   A bad spec is refused with the field named. Only services publish here (API-key users
   submit over the REST API, which calls the same `submit`); the key in the body names
   the user, and the answer goes only to an `_INBOX.` reply subject, never to a stream,
@@ -538,6 +539,8 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     sched = Scheduler(bus, settings)
     await sched.users.bootstrap_admin()
     await bus.nc.subscribe(S.SUBMIT, queue=SERVICE, cb=sched.on_submit)
+    # a submit naming this pool (SDK `pool=`, $OPENTINKER_POOL; the tinker API's own pool)
+    await bus.nc.subscribe(S.submit_subject(settings.pool), queue=SERVICE, cb=sched.on_submit)
     await bus.serve(S.CANCEL, CancelJob, sched.on_cancel, queue=SERVICE)
     if settings.nats_callout_issuer_file:
         from opentinker.services.core.natsauth import AuthCallout

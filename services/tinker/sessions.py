@@ -316,13 +316,13 @@ class Gateway:
         return job_id
 
     async def _submit_job(self, user: str, api_key: str, job_id: str, spec: JobSpec, kind: str, what: str) -> None:
-        """Submit `job_id` as the user (the scheduler checks the key and quota); a job of
-        that id and kind the user already has counts as submitted (a retried call)."""
+        """Submit `job_id` as the user to this service's pool (its scheduler checks the key and
+        quota); a job of that id and kind the user already has counts as submitted (a retry)."""
         try:
-            reply = await self.bus.request(S.SUBMIT, SubmitJob(spec=spec, job_id=job_id, kind=kind, api_key=api_key),
-                                           SubmitReply, timeout_s=30)
+            cmd = SubmitJob(spec=spec, job_id=job_id, kind=kind, api_key=api_key)
+            reply = await self.bus.request(S.submit_subject(self.limits.pool), cmd, SubmitReply, timeout_s=30)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            raise ApiError(503, "the scheduler does not answer") from None
+            raise ApiError(503, f"no scheduler of pool {self.limits.pool!r} answers") from None
         if not reply.ok:
             got = await self.bus.job_record(job_id) if reply.field == "job_id" else None
             if got is None or got[0].user != user or got[0].kind != kind or got[0].spec.algorithm != spec.algorithm:

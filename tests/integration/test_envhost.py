@@ -158,7 +158,7 @@ async def test_module_import_with_env_path(bus, services, tmp_path, monkeypatch)
 def test_a_bad_env_spec_exits_with_the_reason(services, tmp_path):
     proc = services.start("envhost", args=["--env", f"{FIXTURE}:NoSuchGame"])
     assert proc.wait(60) == 2
-    assert "has no attribute 'NoSuchGame'" in services.logs()
+    assert "has no attribute 'NoSuchGame'" in services.logs(tail=None)
 
 
 async def test_undecodable_request_is_dead_lettered_and_host_keeps_serving(bus, services, job_id):

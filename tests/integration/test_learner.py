@@ -255,7 +255,7 @@ async def test_a_restarted_learner_resumes_from_the_checkpoint(bus, job_id, tiny
 
     assert sorted(m.step for m in metrics) == [0, 1, 2]
     assert not any(e.state == JobState.FAILED for e in events), services.logs()
-    assert "resumed from step 0" in services.logs()
+    assert "resumed from step 0" in services.logs(tail=None)
     weights: list[WeightsPublished] = []
     await drain(bus, weights_sub, WeightsPublished, weights)
     v1 = [w for w in weights if w.policy_version == 1]
@@ -431,4 +431,4 @@ async def test_a_learner_that_missed_its_requeue_stops_before_overwriting_the_ne
     assert not held
     assert [w.policy_version for w in weights] == [1], [w.policy_version for w in weights]
     assert await bus.get_object(S.OBJ_CHECKPOINTS, f"{job_id}/latest") == ckpt
-    assert "attempt 1 is stale" in services.logs() or "stops" in services.logs(), services.logs()
+    assert "attempt 1 is stale" in services.logs(tail=None) or "stops" in services.logs(tail=None), services.logs()

@@ -139,3 +139,43 @@ def test_sync_client_and_cli(services, nats_url, job_id):
         assert rec.state == JobState.CANCELLED
     finally:
         sc.close()
+
+
+async def test_a_submit_naming_a_pool_is_taken_by_that_pools_scheduler_alone(services, nats_url):
+    """Two pools' schedulers on one NATS: a client naming a pool (`pool=`, else
+    $OPENTINKER_POOL) has its jobs recorded in that pool, every time; a pool with no
+    scheduler fails at once. (On the plain `ot.ctl.submit`, which both schedulers also
+    answer, a submit lands in either pool.)"""
+    import nats
+
+    pools = (services.pool, services.pool + "-b")
+    for pool in pools:
+        services.start("scheduler", env={"OPENTINKER_POOL": pool})
+    clients = {pool: await Client.connect(nats_url, pool=pool) for pool in pools}
+    jobs = []
+    try:
+        for pool, c in clients.items():
+            for _ in range(100):  # until that pool's scheduler answers
+                try:
+                    await c.bus.nc.request(S.submit_subject(pool), b"", timeout=0.5)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.2)
+        for _ in range(6):
+            for pool, c in clients.items():
+                job = await c.submit({"env": "arith", "steps": 2})
+                jobs.append(job)
+                assert (await job.record()).pool == pool
+        nowhere = await Client.connect(nats_url, pool=services.pool + "-none")
+        try:
+            with pytest.raises(nats.errors.NoRespondersError):
+                await nowhere.submit({"env": "arith", "steps": 2}, timeout_s=5)
+        finally:
+            await nowhere.close()
+        with pytest.raises(ValueError, match="invalid worker id"):
+            await Client.connect(nats_url, pool="a.b")
+    finally:
+        for job in jobs:
+            await job.cancel()
+        for c in clients.values():
+            await c.close()
