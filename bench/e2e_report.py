@@ -120,6 +120,12 @@ def summarize_run(rewards: Sequence[float], step_ends: Sequence[float], threshol
     }
 
 
+def steps_to_threshold(values: Sequence[float], threshold: float = THRESHOLD, k: int = WINDOW) -> int | None:
+    """How many steps had trained when the trailing k-mean of `values` (one reward a step,
+    from step 0) first reached `threshold` (time_to_threshold in steps); None: never."""
+    return time_to_threshold(range(1, len(values) + 1), values, threshold, k)
+
+
 def ttt_key(threshold: float = THRESHOLD) -> str:
     return f"time_to_{threshold:g}_s"
 
@@ -214,10 +220,12 @@ def _mean_sd(xs: Sequence[float | None], spec: str) -> str:
 def seeds_table(runs: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD) -> str:
     """One configuration over seeds (seed_groups' files) as a markdown table: per seed
     each system's time to the threshold and held-out accuracy, the speedups in time to
-    the threshold (the other's time / async's: > 1 async got there first) and async's
-    steps/s over sync's; then the mean +- sample sd over the seeds that have each number
-    ("never": the system's 5-step mean never reached it, which leaves that seed's ratio
-    out), and how many seeds async reached it no later than sync in."""
+    the threshold (the other's time / async's: > 1 async got there first), async's
+    steps/s over sync's and, where every run has its rewards, each system's steps to the
+    threshold (steps_to_threshold: time = steps / steps/s, so a time ratio splits into
+    the two); then the mean +- sample sd over the seeds that have each number ("never":
+    the system's 5-step mean never reached it, which leaves that seed's ratio out), and
+    how many seeds async reached it no later than sync in."""
     key = ttt_key(threshold)
     names = [s for s in ("trl", "sync", "async", "async-bf16") if any(s in r["systems"] for r in runs)]
     pairs = [(a, b) for a, b in (("async", "trl"), ("async", "sync")) if a in names and b in names]
@@ -233,6 +241,10 @@ def seeds_table(runs: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD)
     if ("async", "sync") in pairs:
         cols.append(("async/sync steps/s",
                      lambda sy: _div(sy["async"].get("steps_per_s"), sy["sync"].get("steps_per_s")), ".2f", None))
+    if all("rewards" in r["systems"][s] for r in runs for s in names if s in r["systems"]):
+        cols += [(f"{s} steps to {threshold:g}",
+                  lambda sy, s=s: steps_to_threshold(sy[s]["rewards"], threshold) if s in sy else None, ".0f", s)
+                 for s in names]
     cols += [(f"held-out {s}", lambda sy, s=s: sy.get(s, {}).get("heldout_accuracy"), ".3f", None) for s in names]
     table = [[get(r["systems"]) for _, get, _, _ in cols] for r in runs]
     lines = ["| seed | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]

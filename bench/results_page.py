@@ -116,8 +116,9 @@ def e2e_seeds_section(results: dict[Path, dict]) -> str:
     files = {p.name: r for p, r in results.items() if "systems" in r}
     out = ["## The side-by-side runs over seeds (`bench/e2e_grpo.py --set seed=N`), newest first\n\n"
            "Files of one commit and one configuration but the seed, set side by side: each\n"
-           "system's time to a 0.8 train reward (5-step mean) and held-out greedy accuracy, and\n"
-           "the mean +- sample sd over the seeds. Each run is in the next section too.\n"]
+           "system's time to a 0.8 train reward (5-step mean), the steps it took (time = steps /\n"
+           "steps/s), held-out greedy accuracy, and the mean +- sample sd over the seeds. Each\n"
+           "run is in the next section too.\n"]
     for group in group_of(files):
         runs = [files[n] for n in group]
         first = runs[0]

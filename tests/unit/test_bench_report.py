@@ -547,3 +547,21 @@ def test_seeds_appended_to_a_results_file_keep_each_runs_commit(tmp_path):
     assert [(r["seed"], r["commit"], r["x"]) for r in got["runs"]] == [(0, "aaa", 0), (1, "bbb", 11), (2, "bbb", 12)]
     assert got["summary"] == {"n": 3} and got["appended"] == [{"command": "first", "commit": "aaa"}]
     assert got["runs"][1]["dirty"] is True and len(printed) == 2
+
+
+def test_seeds_table_splits_a_time_into_steps_to_the_threshold_where_runs_have_rewards():
+    """time to 0.8 = steps to it / steps/s: with each run's per-step rewards the table
+    gives each system's steps (the step whose 5-step mean first holds 0.8, counted from
+    1), "never" for a run that did not get there, and their mean +- sd."""
+    assert R.steps_to_threshold([0.0, 0.8, 0.8, 0.8, 0.8, 0.8, 1.0]) == 6
+    assert R.steps_to_threshold([1.0] * 5) == 5 and R.steps_to_threshold([1.0] * 4) is None
+    runs = [_seed_run(0, 600.0, 200.0, 150.0), _seed_run(1, 900.0, 150.0, None)]
+    for run, (trl, sync, asyn) in zip(runs, [(20, 12, 10), (30, 8, None)]):
+        for name, n in (("trl", trl), ("sync", sync), ("async", asyn)):
+            run["systems"][name]["rewards"] = [0.0] * (n - 5) + [0.8] * 5 if n else [0.5] * 40
+    rows = [line.split(" | ") for line in R.seeds_table(runs).splitlines() if line.startswith("| ")]
+    k = rows[0].index("trl steps to 0.8")
+    assert rows[0][k:k + 3] == ["trl steps to 0.8", "sync steps to 0.8", "async steps to 0.8"]
+    assert rows[1][k:k + 3] == ["20", "12", "10"] and rows[2][k:k + 3] == ["30", "8", "never"]
+    assert rows[3][k:k + 3] == ["25 +- 7", "10 +- 3", "10 +- - (1 of 2)"]
+    assert R.seeds_table([_seed_run(0, 600.0, 200.0, 150.0)]).count("steps to") == 0  # no rewards: no column
