@@ -565,3 +565,17 @@ def test_seeds_table_splits_a_time_into_steps_to_the_threshold_where_runs_have_r
     assert rows[1][k:k + 3] == ["20", "12", "10"] and rows[2][k:k + 3] == ["30", "8", "never"]
     assert rows[3][k:k + 3] == ["25 +- 7", "10 +- 3", "10 +- - (1 of 2)"]
     assert R.seeds_table([_seed_run(0, 600.0, 200.0, 150.0)]).count("steps to") == 0  # no rewards: no column
+
+
+def test_trl_fields_hold_every_spec_field_the_trl_side_reads():
+    """TRL_FIELDS decides which earlier TRL runs stand in for a group run without TRL
+    (trl_job): a spec field that bench/e2e_grpo.py's run_trl reads but TRL_FIELDS lacks
+    would let a TRL run of another job stand in. Read from run_trl's source."""
+    import ast
+
+    tree = ast.parse((BENCH / "e2e_grpo.py").read_text())
+    run_trl = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run_trl")
+    read = {n.attr for n in ast.walk(run_trl)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "spec"}
+    assert {"lr", "group_size", "sampling", "seed"} <= read  # the reading itself works
+    assert read <= set(R.TRL_FIELDS), read - set(R.TRL_FIELDS)
