@@ -73,8 +73,9 @@ class Stack:
             self.nats_url = self.server.url
         elif not self.nats_url:
             port = DEFAULT_PORT if _port_free(DEFAULT_PORT) else free_port()
-            self.server = NatsServer(self.home / "nats", port=port, auth=True,
-                                     log_file=self.log_dir / "nats-server.log").start()
+            server = NatsServer(self.home / "nats", port=port, auth=True, log_file=self.log_dir / "nats-server.log")
+            server.picked = True  # 4222 is a preference: taken meanwhile, any free port does (nats_server.py)
+            self.server = server.start()
             self.nats_url = self.server.url
         if ("scheduler" in self.services
                 and not any(o.startswith("api_port=") for o in self.overrides.get("scheduler", []))):

@@ -13,11 +13,18 @@ only their public keys.
 loopback, JetStream clustered: streams, KV buckets and object stores replicated on
 `Settings.nats_replicas` nodes), sharing one auth folder; its `url` lists every node,
 so a client reconnects to a surviving one (https://docs.nats.io/running-a-nats-service/
-configuration/clustering/jetstream_clustering)."""
+configuration/clustering/jetstream_clustering).
+
+Ports are picked free (`free_port`) and bound by nats-server a moment later, so another
+process can take one in between (and answer on it). A server is up only when its own
+log says it listens on its port; one that found a port taken raises PortTaken, and one
+whose ports were picked here starts again on fresh ones (a cluster: every node, on its
+first start)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -43,6 +50,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+START_ATTEMPTS = 5  # starts on fresh ports when another process took one of the last
+
+
+class PortTaken(RuntimeError):
+    """A port picked for a server was bound by another process before the server bound it."""
+
+
 class NatsServer:
     """A nats-server child process on 127.0.0.1 with JetStream in `store_dir`."""
 
@@ -54,9 +68,11 @@ class NatsServer:
         self.auth = auth
         self.auth_dir = Path(auth_dir) if auth_dir else self.store_dir / "auth"
         self.cluster = cluster
+        self.picked = not port  # the port is ours to change when another process takes it
         self.port = port or free_port()
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.proc: subprocess.Popen | None = None
+        self._log_from = 0  # the log's size when the running process started: its lines follow
 
     @property
     def service_seed_file(self) -> Path:
@@ -89,7 +105,38 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 15.0) -> NatsServer:
-        """Start the server and wait until it accepts connections. Raises RuntimeError."""
+        """Start the server and wait until it answers on its port, which its log says it
+        bound (module docstring). A port picked here and taken by another process
+        meanwhile is picked again, up to START_ATTEMPTS times. Raises PortTaken (a port
+        given, or a cluster node's), RuntimeError."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return self._start(timeout_s)
+            except PortTaken:
+                if not self.picked or self.cluster or attempt == START_ATTEMPTS:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _logged(self) -> str:
+        """What the running process has written to the log."""
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(self._log_from)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def failure(self) -> RuntimeError | None:
+        """Why the started process is not running (PortTaken when it could not bind a
+        port), or None while it runs."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        why = f"nats-server exited with {self.proc.returncode}; see {self.log_file}"
+        taken = re.search(r"\[FTL\] (.*address already in use.*)", self._logged())
+        return PortTaken(f"{why}: {taken.group(1)}") if taken else RuntimeError(why)
+
+    def _start(self, timeout_s: float) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         # 8 MB payloads: object-store chunks of weights and checkpoints are 4 MiB
@@ -101,16 +148,20 @@ class NatsServer:
             + (self._auth_config() if self.auth else "")
         )
         cmd = [server_binary(), "-c", str(conf), "-l", str(self.log_file)]
+        self._log_from = self.log_file.stat().st_size if self.log_file.exists() else 0
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
+        bound = f"Listening for client connections on 127.0.0.1:{self.port}"
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.1)
+            if (failed := self.failure()) is not None:
+                raise failed  # PortTaken: another process answers on a port of this one
+            if bound in self._logged():  # not just anything answering on the port
+                try:
+                    with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                        return self
+                except OSError:
+                    pass
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"nats-server did not start within {timeout_s}s; see {self.log_file}")
 
@@ -152,14 +203,19 @@ class NatsCluster:
         if size < 1:
             raise ValueError(f"cluster size: must be at least 1, got {size}")
         self.base_dir = Path(base_dir)
-        ports = [free_port() for _ in range(size)]
-        cports = [free_port() for _ in range(size)]
-        self.nodes = [
+        self.size, self.log_dir, self.started = size, log_dir, False
+        self.nodes = self._nodes(auth)
+
+    def _nodes(self, auth: bool) -> list[NatsServer]:
+        """The nodes' servers, on freshly picked client and cluster ports."""
+        ports = [free_port() for _ in range(self.size)]
+        cports = [free_port() for _ in range(self.size)]
+        return [
             NatsServer(self.base_dir / f"n{i}", port=ports[i], auth=auth, auth_dir=self.base_dir / "auth",
-                       log_file=Path(log_dir) / f"nats-server-n{i}.log" if log_dir else None,
+                       log_file=Path(self.log_dir) / f"nats-server-n{i}.log" if self.log_dir else None,
                        cluster={"name": "opentinker", "server_name": f"n{i}", "port": cports[i],
                                 "routes": [p for j, p in enumerate(cports) if j != i]})
-            for i in range(size)]
+            for i in range(self.size)]
 
     @property
     def auth(self) -> bool:
@@ -177,13 +233,24 @@ class NatsCluster:
         return self.nodes[0].scheduler_env()
 
     def start(self, timeout_s: float = 60.0) -> NatsCluster:
-        """Start every node and wait until JetStream answers (its meta leader is elected).
-        Raises RuntimeError."""
-        for n in self.nodes:
-            if n.proc is None or n.proc.poll() is not None:
-                n.start()
-        self.wait_ready(timeout_s)
-        return self
+        """Start every node not running and wait until JetStream answers (its meta leader
+        is elected). On the first start, a port another process took meanwhile starts the
+        whole cluster again on fresh ports (up to START_ATTEMPTS times); a restarted node
+        keeps its ports, which the others route to. Raises PortTaken, RuntimeError."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                for n in self.nodes:
+                    if n.proc is None or n.proc.poll() is not None:
+                        n.start()
+                self.wait_ready(timeout_s)
+                self.started = True
+                return self
+            except PortTaken:
+                if self.started or attempt == START_ATTEMPTS:
+                    raise
+                self.stop()
+                self.nodes = self._nodes(self.auth)
+        raise AssertionError("unreachable")
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Wait until every node answers a JetStream account request (each has joined the
@@ -211,6 +278,9 @@ class NatsCluster:
         deadline = time.monotonic() + timeout_s
         last: Exception | None = None
         while time.monotonic() < deadline:
+            # a node that could not bind its cluster port exits after its client port answered
+            if (failed := next((f for n in self.nodes if (f := n.failure()) is not None), None)) is not None:
+                raise failed
             try:
                 # a loop of its own, on a thread: callable from sync and async code alike
                 with ThreadPoolExecutor(1) as ex:
