@@ -113,7 +113,7 @@ class NatsServer:
             try:
                 return self._start(timeout_s)
             except PortTaken:
-                if not self.picked or self.cluster or attempt == START_ATTEMPTS:
+                if not self.picked or attempt == START_ATTEMPTS:  # a cluster node's ports are given
                     raise
                 self.port = free_port()
         raise AssertionError("unreachable")
@@ -279,8 +279,9 @@ class NatsCluster:
         last: Exception | None = None
         while time.monotonic() < deadline:
             # a node that could not bind its cluster port exits after its client port answered
-            if (failed := next((f for n in self.nodes if (f := n.failure()) is not None), None)) is not None:
-                raise failed
+            for n in self.nodes:
+                if (failed := n.failure()) is not None:
+                    raise failed
             try:
                 # a loop of its own, on a thread: callable from sync and async code alike
                 with ThreadPoolExecutor(1) as ex:

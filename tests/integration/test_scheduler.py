@@ -13,17 +13,21 @@ from opentinker.schemas.pool import WorkerCapacity
 from opentinker.services.core.pool import Heartbeat
 
 
+async def until_a_scheduler_answers(c, subject: str = S.SUBMIT) -> None:
+    """Wait (up to ~70 s) until a scheduler answers a submit on `subject`."""
+    for _ in range(100):
+        try:
+            await c.bus.nc.request(subject, b"", timeout=0.5)
+            return
+        except Exception:
+            await asyncio.sleep(0.2)
+
+
 @pytest.fixture
 async def client(services, nats_url):
     services.start("scheduler")
     c = await Client.connect(nats_url)
-    # wait until the scheduler answers
-    for _ in range(100):
-        try:
-            await c.bus.nc.request(S.SUBMIT, b"", timeout=0.5)
-            break
-        except Exception:
-            await asyncio.sleep(0.2)
+    await until_a_scheduler_answers(c)
     yield c
     await c.close()
 
@@ -155,12 +159,7 @@ async def test_a_submit_naming_a_pool_is_taken_by_that_pools_scheduler_alone(ser
     jobs = []
     try:
         for pool, c in clients.items():
-            for _ in range(100):  # until that pool's scheduler answers
-                try:
-                    await c.bus.nc.request(S.submit_subject(pool), b"", timeout=0.5)
-                    break
-                except Exception:
-                    await asyncio.sleep(0.2)
+            await until_a_scheduler_answers(c, S.submit_subject(pool))
         for _ in range(6):
             for pool, c in clients.items():
                 job = await c.submit({"env": "arith", "steps": 2})
