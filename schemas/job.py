@@ -195,7 +195,7 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "Rollout workers of the pool that sample the job's groups, in turn; a training job that loses some "
         "goes on with the rest (docs/scale-out.md).")) = 1
     learner_ranks: Bounded(int, 1, 64, doc=(
-        "Data-parallel ranks on the learner's host (torchrun; one GPU each on CUDA): each trains on its shard "
+        "Data-parallel ranks on the learner's host (one GPU each on CUDA): each trains on its shard "
         "of every update and DeepSpeed all-reduces the gradients (docs/scale-out.md). GRPO jobs only.")) = 1
     agents: Bounded(int, 1, 8, doc=(
         "Seats of a multi-agent env's MultiAgentGame, every one played by this job's policy (self-play, "

@@ -213,6 +213,27 @@ class Services:
         return "\n".join(f"=== {f.name}\n{f.read_text()[-tail if tail else 0:]}"
                          for f in sorted(self.log_dir.glob("*.log")))
 
+    def open_listeners(self) -> list[str]:
+        """Every listening TCP socket of the running services and the processes they
+        started that is not on loopback, as "<service> pid <pid> <ip>:<port>": a test's
+        services listen on loopback only (the NATS and HTTP ports a deployment opens are
+        the operator's, with their own authentication)."""
+        import ipaddress
+
+        import psutil
+
+        found = []
+        for name, p in self.procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc = psutil.Process(p.pid)
+                for q in [proc, *proc.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        found += [f"{name} pid {q.pid} {c.laddr.ip}:{c.laddr.port}"
+                                  for c in q.net_connections(kind="inet")
+                                  if c.status == psutil.CONN_LISTEN
+                                  and not ipaddress.ip_address(c.laddr.ip).is_loopback]
+        return found
+
     def stop_all(self) -> None:
         for _, p in self.procs:
             if p.poll() is None:
@@ -426,13 +447,13 @@ def run_ranks(n: int, model: str, out: Path, zero_stage: int, device: str = "cpu
 
     from safetensors.torch import load
 
-    from opentinker.services.core.nats_server import free_port
-
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                             "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # --standalone: torchrun binds its rendezvous port itself (a port picked here could be
+    # taken by another process before torchrun binds it)
     got = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), model, str(out),
+                          "--standalone", str(script), model, str(out),
                           str(zero_stage), device, *extra], capture_output=True, text=True, env=env, timeout=400)
     assert got.returncode == 0, got.stdout[-4000:] + got.stderr[-8000:]
     return json.loads((out / "metrics.json").read_text()), load((out / "weights.safetensors").read_bytes())

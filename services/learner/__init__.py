@@ -15,8 +15,9 @@
     batching.py         trajectories -> padded tensors and advantages
     checkpoint.py       save / resume through the object store
     engine_deepspeed.py the only module importing deepspeed
-    ranks.py            learner_ranks > 1: the engine as torchrun's data-parallel ranks,
+    ranks.py            learner_ranks > 1: the engine as N data-parallel ranks,
                         fed by the service (RankGroup)
+    process_group.py    the torch.distributed group, with no listening socket
 """
 
 import os

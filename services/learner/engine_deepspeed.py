@@ -1,8 +1,8 @@
 """The policy under training: a transformers causal LM (LoRA via peft, or every
 parameter) wrapped in a DeepSpeed engine. The only module that imports deepspeed.
 
-One rank, or one of `learner_ranks` data-parallel ranks under torchrun (ranks.py; gloo
-on CPU, nccl on CUDA); ZeRO stage from the job spec;
+One rank, or one of `learner_ranks` data-parallel ranks (ranks.py, process_group.py;
+gloo on CPU, nccl on CUDA); ZeRO stage from the job spec;
 a client torch AdamW optimizer (DeepSpeed's CPU-Adam op would be compiled on first use,
 about 80 s on a 2-core CPU machine). Gradients accumulate over a variable number of
 micro-batches (the accumulation boundary is set by hand, DeepSpeed's
@@ -22,15 +22,13 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-
 from opentinker.schemas import JobSpec
 from opentinker.services.core import tracing
-from opentinker.services.core.nats_server import free_port
 from opentinker.services.learner import surrogates
 from opentinker.services.learner.batching import Batch
 from opentinker.services.learner.ds_config import deepspeed_config
-from opentinker.services.learner.loss import (AggTotals, LossConfig, aggregation_weights, policy_loss,
-                                              selected_logprobs)
+from opentinker.services.learner.loss import AggTotals, LossConfig, aggregation_weights, policy_loss, selected_logprobs
+from opentinker.services.learner.process_group import init_distributed
 
 log = logging.getLogger("opentinker.learner.engine")
 
@@ -42,38 +40,6 @@ def pick_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def _one_process_env() -> None:
-    """The rank variables of a group of this one process, where none are set (DeepSpeed
-    asserts LOCAL_RANK at each engine; something may have unset them since the group
-    was made, such as a test's environment restored)."""
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-
-
-def _init_distributed(device: str) -> tuple[int, int]:
-    """The torch.distributed group DeepSpeed needs, once per process; returns (rank,
-    world size). Under DeepSpeed's launcher or torchrun (RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT set): their group, data parallel across the ranks (gloo on
-    CPU, nccl on CUDA, one GPU per local rank). Otherwise a group of this one process."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        if dist.get_world_size() == 1:  # this process's own group: DeepSpeed still reads LOCAL_RANK
-            _one_process_env()
-        return dist.get_rank(), dist.get_world_size()
-    backend = "nccl" if device == "cuda" else "gloo"
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)  # env:// from the launcher
-        return dist.get_rank(), dist.get_world_size()
-    _one_process_env()
-    # the rendezvous address goes in the call, not in os.environ: processes this one
-    # starts later (a test's services) would inherit a port it holds
-    dist.init_process_group(backend=backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
-    return 0, 1
 
 
 class TrainEngine:
@@ -98,10 +64,14 @@ class TrainEngine:
             os.environ["DS_ACCELERATOR"] = picked
             raise RuntimeError(f"a learner on {device!r} needs a process of its own: DeepSpeed's accelerator "
                                f"in this process is {picked!r}, fixed at its first import")
+        from opentinker.services.core.models import (
+            load_policy_model,
+            load_processor,
+            lora_targets,
+            resolve_dtype,
+            training_attention,
+        )
         from transformers import AutoTokenizer
-
-        from opentinker.services.core.models import (load_policy_model, load_processor, lora_targets,
-                                                     resolve_dtype, training_attention)
 
         self.spec = spec
         self.device = device
@@ -134,7 +104,7 @@ class TrainEngine:
         elif spec.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(device)
 
-        self.rank, self.world_size = _init_distributed(device)
+        self.rank, self.world_size = init_distributed(device)
         params = [p for p in model.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in params)  # before ZeRO-3 partitions them
         # on CUDA, torch's fused AdamW: one kernel for every parameter's update instead of

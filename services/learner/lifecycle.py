@@ -201,7 +201,7 @@ class RunLifecycle:
         model_path = await self.in_engine(resolve_model, self.model_ref, self.settings.home)
         from opentinker.services.learner.engine_deepspeed import TrainEngine, pick_device
 
-        if self.spec.learner_ranks > 1:  # data parallel: torchrun's ranks (ranks.py)
+        if self.spec.learner_ranks > 1:  # data parallel: N ranks (ranks.py)
             from opentinker.services.learner.ranks import RankGroup
 
             self.engine = await self.in_engine(RankGroup, self.spec, model_path, pick_device(self.settings.device),

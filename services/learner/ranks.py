@@ -3,9 +3,11 @@
 The learner service stays the job's one voice on the bus: it fetches the trajectories,
 keeps the ledger, builds each step's micro-batches, publishes one weight event per
 step and writes the checkpoints, exactly as with one rank. Only the engine moves out:
-`RankGroup` has `TrainEngine`'s interface and runs N ranks started by torchrun
-(`python -m torch.distributed.run --nproc_per_node N -m opentinker.services.learner.ranks`),
-gloo on CPU, nccl on CUDA (one GPU per local rank). Rank 0 receives every engine call
+`RankGroup` has `TrainEngine`'s interface and runs N ranks it starts itself
+(`python -m opentinker.services.learner.ranks`, RANK / LOCAL_RANK / WORLD_SIZE set),
+gloo on CPU, nccl on CUDA (one GPU per local rank), over loopback. The ranks meet in a
+file store in the group's private folder, not through torchrun: torchrun's TCP store
+listens on every interface with no authentication (process_group.py). Rank 0 receives every engine call
 from the service over a loopback connection authenticated by a one-time key
 (`multiprocessing.connection`, HMAC challenge; the key is in a 0600 file, never on a
 command line) and scatters it to the ranks (`torch.distributed.scatter_object_list`):
@@ -23,8 +25,9 @@ per group; N consumers would each need the whole step to agree on it. One consum
 keeps the exactly-once accounting of one rank, and the micro-batches a step sends to
 the ranks are a few MB.
 
-A rank that dies takes the group down (torchrun stops the others); the engine call in
-flight raises RankError, and the job fails with it. The service's own death
+A rank that dies takes the group down (the service stops the others, which may wait for
+it in a collective); the engine call in flight raises RankError, and the job fails
+with it. The service's own death
 closes rank 0's connection, and the group exits.
 """
 
@@ -48,18 +51,19 @@ from typing import Any
 import msgspec
 
 from opentinker.schemas import JobSpec
-from opentinker.services.core.nats_server import free_port
 from opentinker.services.learner.loss import LossConfig
+from opentinker.services.learner.process_group import STORE_ENV
 
 log = logging.getLogger("opentinker.learner.ranks")
 
-START_TIMEOUT_S = 300.0   # torchrun, N imports of torch and deepspeed, then rank 0 connects
+START_TIMEOUT_S = 300.0   # N imports of torch and deepspeed, then rank 0 connects
+POLL_S = 0.5              # how often a call in flight looks for a rank that has exited
 CLOSE_TIMEOUT_S = 60.0
 # the engine calls a RankGroup forwards; anything else is refused by the ranks
 CALLS = frozenset({"sequence_logprobs", "train_step", "weights_bytes", "save_state", "load_state",
                    "save_pretrained", "set_lr"})
 LAUNCH_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", STORE_ENV)
 
 
 class RankError(RuntimeError):
@@ -99,16 +103,19 @@ class RankGroup:
         self._log = scratch / "ranks.log"
         env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_VARS}
         per_rank = threads or max(1, (os.cpu_count() or 1) // self.world_size)
-        env.update(OMP_NUM_THREADS=str(per_rank), MKL_NUM_THREADS=str(per_rank), PYTHONUNBUFFERED="1")
-        if device != "cuda":
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one host talk over loopback
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.world_size}",
-               "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "-m", "opentinker.services.learner.ranks", str(conn_file), device]
+        env.update(OMP_NUM_THREADS=str(per_rank), MKL_NUM_THREADS=str(per_rank), PYTHONUNBUFFERED="1",
+                   WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(self.world_size))
+        env[STORE_ENV] = str(scratch / f"store-{secrets.token_hex(8)}")  # a fresh file: the store's own
+        # the ranks of one host talk over loopback
+        env.setdefault("NCCL_SOCKET_IFNAME" if device == "cuda" else "GLOO_SOCKET_IFNAME", "lo")
+        cmd = [sys.executable, "-m", "opentinker.services.learner.ranks", str(conn_file), device]
+        self._procs: list[subprocess.Popen] = []
         with open(self._log, "ab") as out:
-            # its own session: close() can stop torchrun and every rank it started
-            self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+            for r in range(self.world_size):
+                # a process group of their own (rank 0's pid): _kill() stops every rank at once
+                self._procs.append(subprocess.Popen(
+                    cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=subprocess.STDOUT,
+                    process_group=self._procs[0].pid if r else 0))
         self._conn: Connection | None = None
         try:
             self._conn = self._accept(address, authkey)
@@ -121,7 +128,7 @@ class RankGroup:
         self.vocab_size: int = info["vocab_size"]
         self.pad_id: int = info["pad_id"]
         self.n_trainable: int = info["n_trainable"]
-        log.info("rank group of %d ready (torchrun pid %d), %s", self.world_size, self._proc.pid, device)
+        log.info("rank group of %d ready (pids %s), %s", self.world_size, [p.pid for p in self._procs], device)
 
     # -- the engine's interface ---------------------------------------------------
 
@@ -148,7 +155,7 @@ class RankGroup:
 
     def close(self) -> None:
         """Stop the ranks: a clean close, else (after CLOSE_TIMEOUT_S, or a broken
-        group) torchrun's session is killed."""
+        group) their process group is killed."""
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 _send(self._conn, ("close",))
@@ -156,8 +163,10 @@ class RankGroup:
                     _recv(self._conn)
             self._conn.close()
             self._conn = None
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
         try:
-            self._proc.wait(CLOSE_TIMEOUT_S)
+            for p in self._procs:
+                p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self._kill()
 
@@ -177,12 +186,12 @@ class RankGroup:
         deadline = time.monotonic() + START_TIMEOUT_S
         while t.is_alive():
             t.join(0.5)
-            if t.is_alive() and (self._proc.poll() is not None or time.monotonic() > deadline):
+            if t.is_alive() and (self._exited() or time.monotonic() > deadline):
                 with contextlib.suppress(Exception):  # unblock accept() with a connection of our own
                     Client(address, authkey=authkey).close()
                 t.join(5.0)
                 raise RankError(f"the {self.world_size} learner ranks did not start "
-                                f"(torchrun exit {self._proc.poll()}): {self._tail()}")
+                                f"({self._exits() or 'timed out'}): {self._tail()}")
         if not box or isinstance(box[0], Exception):
             raise RankError(f"rank 0 did not connect: {box[0] if box else 'no connection'}")
         return box[0]
@@ -192,14 +201,35 @@ class RankGroup:
             raise RankError("the rank group is closed")
         try:
             _send(self._conn, ("call", name, args))
+            while not self._conn.poll(POLL_S):
+                if self._exited():
+                    raise EOFError
             status, value = _recv(self._conn)
         except (EOFError, OSError) as e:
+            gone = self._exits() or type(e).__name__  # before _end() kills the rest
+            self._end()
             errors = sorted(self._dir.glob("rank-*.error"))
             why = "; ".join(f.read_text(errors="replace") for f in errors) or self._tail()
-            raise RankError(f"the learner ranks stopped during {name} ({type(e).__name__}): {why}") from None
+            raise RankError(f"the learner ranks stopped during {name} ({gone}): {why}") from None
         if status != "ok":
+            self._end()
             raise RankError(f"{name} failed on {value}")
         return value
+
+    def _end(self) -> None:
+        """A rank failed or exited, and the others may wait for it in a collective:
+        stop them all."""
+        self._kill()
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        self._conn = None
+
+    def _exited(self) -> bool:
+        return any(p.poll() is not None for p in self._procs)
+
+    def _exits(self) -> str:
+        """The ranks that have exited and how, e.g. "rank 1 exit -9"."""
+        return ", ".join(f"rank {r} exit {p.returncode}" for r, p in enumerate(self._procs) if p.poll() is not None)
 
     def _tail(self, n: int = 3000) -> str:
         with contextlib.suppress(OSError):
@@ -210,9 +240,10 @@ class RankGroup:
         import signal
 
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGKILL)  # the session torchrun leads: we started it
-        with contextlib.suppress(Exception):
-            self._proc.wait(10)
+            os.killpg(self._procs[0].pid, signal.SIGKILL)  # the ranks' process group: we started it
+        for p in self._procs:
+            with contextlib.suppress(Exception):
+                p.wait(10)
 
 
 # -- a rank ------------------------------------------------------------------------
@@ -257,16 +288,16 @@ def _execute(engine, msg: tuple, device: str):
 
 
 def rank_main(conn_file: str, device: str) -> int:
-    """One rank's loop (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
+    """One rank's loop (RankGroup sets RANK, LOCAL_RANK, WORLD_SIZE and the store's file):
     rank 0 reads the service's messages and scatters them; every rank executes its
     part; rank 0 answers with its result or the first rank's error. Returns the exit
     status."""
     import torch.distributed as dist
 
-    from opentinker.services.learner.engine_deepspeed import _init_distributed
+    from opentinker.services.learner.process_group import init_distributed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(name)s %(message)s")
-    rank, world_size = _init_distributed(device)
+    rank, world_size = init_distributed(device)
     conn = None
     if rank == 0:
         info = json.loads(Path(conn_file).read_text())
@@ -289,7 +320,7 @@ def rank_main(conn_file: str, device: str) -> int:
             engine, result = _execute(engine, msg, device)
         except Exception as e:
             # the other ranks may wait in a collective this rank will never join: end the
-            # group (torchrun stops the rest), leaving the error for the service to name
+            # group (the service stops the rest), leaving the error for the service to name
             error = f"rank {rank}: {type(e).__name__}: {e}"
             logging.getLogger("opentinker.learner.ranks").error("%s\n%s", error, traceback.format_exc())
             with contextlib.suppress(OSError):

@@ -48,6 +48,9 @@ async def _run_job(services, nats_url, tmp_path, spec, job_id, timeout_s=420, wa
         steps = [m.step for m in await follow(job, timeout_s, services)]
         rec = await job.wait(timeout_s=30, raise_on_failure=False)
         assert rec.state == JobState.COMPLETED, (rec, services.logs())
+        # no service, nor what it started (the learner's process group, the rollout's
+        # engine), listens beyond loopback: torch's TCP store would, on every interface
+        assert services.open_listeners() == []
         if bridge is not None:
             assert (await asyncio.wait_for(bridge, 60)).state == JobState.COMPLETED
         return rec, steps, data_dir, client
