@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Awaitable, Callable
 
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus, install_signal_handlers
 from opentinker.services.core.config import Settings, main_settings, thread_count, thread_env
+from opentinker.services.core.tmpdir import private_tmpdir
 
 Body = Callable[[Settings, Bus, asyncio.Event], Awaitable[None]]
 log = logging.getLogger("opentinker.runner")
@@ -25,9 +27,11 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
     """Parse settings, set the thread count (limit_threads), connect to NATS, create the
     topology, run `body` until SIGINT/SIGTERM sets the stop event, then flush and close
     the connection (Bus.close); `body` still running STOP_GRACE_S after the signal is
-    cancelled."""
+    cancelled. The process's temporary files go to a folder of its own, removed when it
+    stops (tmpdir.private_tmpdir)."""
     settings = main_settings(service, argv)
     limit_threads(service, settings)
+    scratch = private_tmpdir(service)
     tracing.setup(service)
 
     async def _main() -> None:
@@ -45,6 +49,7 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
         asyncio.run(_main())
     finally:
         tracing.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 async def run_until_stopped(work: Awaitable[None], stop: asyncio.Event, grace_s: float, service: str) -> None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,8 +67,10 @@ def _client_venv(where: Path, *extra: str) -> Path:
     """A fresh venv with the base distribution of this checkout (no extras), and the
     user's own packages `extra`."""
     uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
+    # uv's build locks in this test process's temporary folder (conftest.private_tmp)
+    env = {**os.environ, "UV_NO_PROGRESS": "1", "TMPDIR": tempfile.gettempdir()}
     venv = where / "client-venv"
-    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True)
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True, env=env)
     py = venv / "bin" / "python"
     # a copy of the source, so that the build writes nothing into the checkout
     src = where / "src"
@@ -77,8 +80,7 @@ def _client_venv(where: Path, *extra: str) -> Path:
     for name in ("sdk", "client", "environment", "cli", "ops", "schemas", "services"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([uv, "pip", "install", "-q", "--python", str(py), str(src), *extra],
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "UV_NO_PROGRESS": "1"})
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return py
 

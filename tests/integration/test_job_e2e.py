@@ -6,10 +6,12 @@ import asyncio
 import json
 import re
 import struct
+import tempfile
 import zlib
 import subprocess
 import sys
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -169,6 +171,15 @@ async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job
         assert rows[0][0] == n
         rows = await log_rows(data_dir, f"SELECT count(*) FROM metrics WHERE job_id='{job_id}'", 1)
         assert rows[0][0] >= 1
+        if engine == "vllm":
+            # vLLM's run-time files (its rendezvous file, IPC sockets) are in the rollout
+            # process's own temporary folder, which goes when the service stops
+            # (core/tmpdir.py), not left in /tmp
+            (pid,) = [p.pid for name, p in services.procs if name == "rollout"]
+            (scratch,) = Path(tempfile.gettempdir()).glob(f"opentinker-rollout-{pid}-*")
+            assert any(f.name.startswith("vllm_dist_") for f in scratch.iterdir()), list(scratch.iterdir())
+            services.stop_all()
+            assert not scratch.exists()
     finally:
         await client.close()
 
