@@ -11,7 +11,7 @@ warm-up job (not reported), the job of examples/arith_grpo.toml (steps from --st
 evaluation) runs as:
 
 - base:        learner_ranks 1, rollout_workers 1
-- ranks2:      learner_ranks 2, rollout_workers 1 (2 data-parallel ranks, torchrun, gloo)
+- ranks2:      learner_ranks 2, rollout_workers 1 (2 data-parallel ranks, gloo)
 - rollout2:    learner_ranks 1, rollout_workers 2 (groups sent to both workers in turn)
 
 Reported per run (from the learner's per-step metrics, the steps after the first):

@@ -28,11 +28,14 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from opentinker.services.core.tmpdir import new_tmpdir
 
 KEY_ENV = "OPENTINKER_SERVE_API_KEY"
 VLLM_KEY_ENV = "VLLM_API_KEY"
@@ -278,8 +281,18 @@ def plan(args: argparse.Namespace, extra: list[str], environ: dict[str, str]) ->
 
 def run(p: Plan) -> int:
     """Run vLLM in its own process group; forward SIGINT/SIGTERM to that group and wait.
-    Returns vLLM's exit code (128 + signal number when a signal ended it)."""
-    child = subprocess.Popen(p.cmd, env=p.env, process_group=0)
+    Returns vLLM's exit code (128 + signal number when a signal ended it). vLLM's
+    run-time files (IPC sockets) go to a temporary folder of its own, removed after it
+    (core/tmpdir.py)."""
+    scratch = new_tmpdir("serve")
+    try:
+        return _run(p, dict(p.env, TMPDIR=str(scratch)))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(p: Plan, env: dict[str, str]) -> int:
+    child = subprocess.Popen(p.cmd, env=env, process_group=0)
     signalled: list[int] = []
 
     def forward(signum, _frame):

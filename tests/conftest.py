@@ -77,19 +77,24 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session", autouse=True)
 def private_tmp(tmp_path_factory):
-    """This test process's run-time files (in-process vLLM engines' rendezvous files and
-    sockets, torchrun's) in a folder of its own, removed at the end, as a service's are
-    (core/tmpdir.py): not left in /tmp. pytest's tmp_path stays where it was; services
-    the tests start make their own folders."""
+    """This test process's run-time files, and those of the processes it starts (vLLM's
+    engine processes, torchrun, uv; services make their own folders inside it), in a
+    folder of its own removed at the end, as a service's are (core/tmpdir.py): not left
+    in /tmp. pytest's tmp_path stays where it was."""
     import shutil
     import tempfile
 
+    from opentinker.services.core.tmpdir import private_tmpdir
+
     tmp_path_factory.getbasetemp()  # decided before the switch
-    before = tempfile.tempdir
-    d = tempfile.mkdtemp(prefix=f"opentinker-pytest-{os.getpid()}-")
-    tempfile.tempdir = d
-    yield Path(d)
-    tempfile.tempdir = before
+    before = tempfile.tempdir, os.environ.get("TMPDIR")
+    d = private_tmpdir("pytest")
+    yield d
+    tempfile.tempdir = before[0]
+    if before[1] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[1]
     shutil.rmtree(d, ignore_errors=True)
 
 
@@ -462,13 +467,12 @@ def run_ranks(n: int, model: str, out: Path, zero_stage: int, device: str = "cpu
     """tests/ranks/engine_step.py (or `script`) on `n` ranks (torchrun): rank 0's
     (metrics, weights)."""
     import json
-    import tempfile
 
     from safetensors.torch import load
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                             "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=tempfile.gettempdir())  # private_tmp
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # --standalone: torchrun binds its rendezvous port itself (a port picked here could be
     # taken by another process before torchrun binds it)
     got = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",

@@ -5,13 +5,15 @@ folder: vLLM's ZeroMQ IPC sockets (`VLLM_RPC_BASE_PATH`, one per engine client) 
 single-process rendezvous files (`vllm_dist_<uuid>`), torch's and triton's scratch.
 Nothing removes them when a process is killed, so a host that runs services for weeks
 collects thousands of them in /tmp. Each service therefore gives itself a folder,
-`<tmp>/opentinker-<service>-<pid>-<random>`, points `TMPDIR` (for the processes it
-starts) and `tempfile.tempdir` (for itself) at it, and removes it when it stops; a
-service that starts removes the folders this user's services on this host left behind
-when they were killed (their pid no longer runs).
+`<tmp>/ot-<service>-<pid>-<random>`, points `TMPDIR` (for the processes it starts) and
+`tempfile.tempdir` (for itself) at it, and removes it when it stops; a service that
+starts removes the folders this user's services on this host left behind when they were
+killed (their pid no longer runs).
 
-The folder stays in the system's temporary folder rather than under the OpenTinker home:
-a socket's path must fit in 107 bytes (AF_UNIX), and vLLM adds 37 to the folder's.
+The folder stays in the system's temporary folder rather than under the OpenTinker home,
+and its name is short: a socket's path must fit in 107 bytes (AF_UNIX), vLLM adds 37 to
+the folder's, and a service started by another process with such a folder (a test
+session's) makes its own inside that one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-PREFIX = "opentinker-"
+PREFIX = "ot-"
 
 
 def _running(pid: int) -> bool:
@@ -38,7 +40,7 @@ def _running(pid: int) -> bool:
 def sweep(base: Path) -> list[Path]:
     """Remove the folders under `base` of this user's services that no longer run (the
     pid in the name is gone); returns them. Another user's folders, and names not of the
-    form `opentinker-<service>-<pid>-<random>`, are left alone."""
+    form `ot-<service>-<pid>-<random>`, are left alone."""
     removed = []
     for d in base.glob(f"{PREFIX}*-*-*"):
         with contextlib.suppress(ValueError, OSError):
@@ -49,14 +51,20 @@ def sweep(base: Path) -> list[Path]:
     return removed
 
 
-def private_tmpdir(service: str) -> Path:
-    """A fresh temporary folder of this process (mode 0700), made the default of this
-    process (`tempfile.tempdir`) and of those it starts (`TMPDIR`), after the folders of
-    killed services are swept. The caller removes it (`shutil.rmtree`) when it stops.
-    Raises OSError when the system's temporary folder cannot be written."""
+def new_tmpdir(service: str) -> Path:
+    """A fresh temporary folder (mode 0700) named for `service` and this process, made
+    after the folders of killed services are swept. The caller removes it
+    (`shutil.rmtree`) when it stops. Raises OSError when the temporary folder cannot be
+    written."""
     base = Path(tempfile.gettempdir())
     sweep(base)
-    d = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{service}-{os.getpid()}-", dir=base))
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{service}-{os.getpid()}-", dir=base))
+
+
+def private_tmpdir(service: str) -> Path:
+    """new_tmpdir(service), made the default of this process (`tempfile.tempdir`) and of
+    those it starts (`TMPDIR`)."""
+    d = new_tmpdir(service)
     os.environ["TMPDIR"] = str(d)
     tempfile.tempdir = str(d)
     return d

@@ -110,14 +110,14 @@ class RankGroup:
         env.setdefault("NCCL_SOCKET_IFNAME" if device == "cuda" else "GLOO_SOCKET_IFNAME", "lo")
         cmd = [sys.executable, "-m", "opentinker.services.learner.ranks", str(conn_file), device]
         self._procs: list[subprocess.Popen] = []
-        with open(self._log, "ab") as out:
-            for r in range(self.world_size):
-                # a process group of their own (rank 0's pid): _kill() stops every rank at once
-                self._procs.append(subprocess.Popen(
-                    cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=subprocess.STDOUT,
-                    process_group=self._procs[0].pid if r else 0))
         self._conn: Connection | None = None
         try:
+            with open(self._log, "ab") as out:
+                for r in range(self.world_size):
+                    # a process group of their own (rank 0's pid): _kill() stops every rank at once
+                    self._procs.append(subprocess.Popen(
+                        cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=subprocess.STDOUT,
+                        process_group=self._procs[0].pid if r else 0))
             self._conn = self._accept(address, authkey)
             info = self._call("init", msgspec.json.encode(spec), model_path, torch.get_rng_state().numpy().tobytes())
         except BaseException:
@@ -239,7 +239,7 @@ class RankGroup:
     def _kill(self) -> None:
         import signal
 
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError, PermissionError, IndexError):
             os.killpg(self._procs[0].pid, signal.SIGKILL)  # the ranks' process group: we started it
         for p in self._procs:
             with contextlib.suppress(Exception):

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -67,8 +66,7 @@ def _client_venv(where: Path, *extra: str) -> Path:
     """A fresh venv with the base distribution of this checkout (no extras), and the
     user's own packages `extra`."""
     uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
-    # uv's build locks in this test process's temporary folder (conftest.private_tmp)
-    env = {**os.environ, "UV_NO_PROGRESS": "1", "TMPDIR": tempfile.gettempdir()}
+    env = {**os.environ, "UV_NO_PROGRESS": "1"}  # TMPDIR: conftest.private_tmp, for uv's build locks
     venv = where / "client-venv"
     subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True, env=env)
     py = venv / "bin" / "python"

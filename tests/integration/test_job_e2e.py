@@ -176,7 +176,7 @@ async def test_grpo_job_end_to_end(services, nats_url, tmp_path, tiny_model, job
             # process's own temporary folder, which goes when the service stops
             # (core/tmpdir.py), not left in /tmp
             (pid,) = [p.pid for name, p in services.procs if name == "rollout"]
-            (scratch,) = Path(tempfile.gettempdir()).glob(f"opentinker-rollout-{pid}-*")
+            (scratch,) = Path(tempfile.gettempdir()).glob(f"ot-rollout-{pid}-*")
             assert any(f.name.startswith("vllm_dist_") for f in scratch.iterdir()), list(scratch.iterdir())
             services.stop_all()
             assert not scratch.exists()
