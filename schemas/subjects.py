@@ -33,7 +33,8 @@ and `ot_keys` (users, and API keys stored as argon2 hashes), `ot_tinker` (the ti
 API's sessions by session id, and its runs' and checkpoints' metadata), `ot_tinker_seqs`
 (what a Tinker sampling client with record_stability_info recorded: a request's prompt
 and each sampled sequence, by record key; entries expire TINKER_RECORD_TTL_S after their
-last write). Rollout requests name
+last write), `ot_locks` (a user's submit lock, held by the scheduler counting that
+user's unfinished jobs; entries expire LOCK_TTL_S after their write). Rollout requests name
 their worker in the subject: the scheduler places a job's rollouts on its workers, and
 each worker's durable consumer filters its own token, so work-queue consumers never
 overlap.
@@ -128,6 +129,10 @@ KV_KEYS = "ot_keys"
 KV_TINKER = "ot_tinker"
 KV_ENVS = "ot_envs"
 KV_TINKER_SEQS = "ot_tinker_seqs"
+# a user's submit lock, held across every scheduler on this NATS while one counts the
+# user's unfinished jobs and writes the new record; a holder that died frees it at TTL
+KV_LOCKS = "ot_locks"
+LOCK_TTL_S = 30.0
 TINKER_RECORD_TTL_S = 86_400.0  # a recorded sequence unused this long is gone (Tinker's "one day")
 WORKER_TTL_S = 10.0       # a worker missing heartbeats this long is gone
 WORKER_HEARTBEAT_S = 2.0

@@ -53,6 +53,7 @@ class World:
     bob: Client
     service: Bus
     a_job: str
+    env: dict = field(default_factory=dict)  # what every service of the stack was started with
     a_metrics: list = field(default_factory=list)
     follower: asyncio.Task | None = None
 
@@ -118,7 +119,7 @@ async def start_world(tmp: Path, home: Path, tiny_model: str, services_cls):
             break
         await asyncio.sleep(0.2)
     w = World(server, services, procs, api, api_url, tinker_url, data_dir, tiny_model, alice_key, bob_key, alice, bob,
-              service, job.id)
+              service, job.id, env)
 
     async def follow() -> None:
         async for m in job.metrics():

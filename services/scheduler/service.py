@@ -65,6 +65,7 @@ from opentinker.schemas.users import User
 from opentinker.services.scheduler.placement import (
     inference_requests, Quota, holders, lost_workers, plan, without_lost_rollout,
 )
+from opentinker.services.scheduler.locks import submit_lock
 from opentinker.services.scheduler.retention import expired_records, forget_jobs, named_jobs
 from opentinker.services.core.users import AuthError, Users
 
@@ -242,9 +243,10 @@ class Scheduler:
         served neither by the user's own envhost nor the operator's (envs.py), a
         tinker_init save of another user's job, an opponent that is not the user's job of
         the same model, more than `max_unfinished_jobs_per_user` unfinished jobs, a taken
-        job id. The unfinished jobs are counted, on a fresh read of the records, under
-        `self.lock` with the new record's write, so parallel submits (the REST API's and
-        `ot.ctl.submit`'s, both in this process) cannot all pass one count."""
+        job id. The unfinished jobs are counted, on a fresh read of the records, under the
+        user's submit lock with the new record's write (submit_lock), so parallel submits
+        (the REST API's and `ot.ctl.submit`'s, to this scheduler or another pool's)
+        cannot all pass one count."""
         from opentinker.services.core.access import check_spec_paths, confine_env_args, path_args
         from opentinker.services.scheduler.envs import resolve_env_owner
 
@@ -302,7 +304,11 @@ class Scheduler:
             policy = await self.policy_event(cmd.policy_of, job_id, user)
             if isinstance(policy, SubmitReply):
                 return policy
-        async with self.lock:
+        # the user's lock first: waiting for another scheduler's hold keeps no other work waiting
+        async with submit_lock(self.bus, user.name, user.role == "admin") as held, self.lock:
+            if not held:
+                return SubmitReply(ok=False, field="job_id", error=f"another submit of user {user.name!r} "
+                                                                    "holds the submit lock; try again")
             if user.role != "admin":  # a fresh count: records written since the read above
                 now_mine = [r for r, _ in await self.records(every_pool=True) if r.user == user.name]
                 if refused := self.unfinished_refusal(user, now_mine):

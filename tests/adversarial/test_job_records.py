@@ -14,6 +14,7 @@ Each attack ends in an answer naming the limit, and no service exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -83,6 +84,52 @@ async def test_a_burst_of_parallel_submits_gets_no_more_than_the_unfinished_jobs
             r = await world.api.post(f"/v1/jobs/{job_id}/cancel", json={"reason": "burst over"},
                                      headers=bearer(world.bob_key))
             assert r.status_code == 200, r.text
+    nothing_exited(world)
+
+
+async def test_a_burst_over_two_pools_schedulers_gets_no_more_than_the_unfinished_jobs_limit(world, alice):
+    """The limit counts a user's jobs in every pool: a burst split between this pool's
+    scheduler (REST) and another pool's (its own submit subject) passes no more than it
+    (before: each scheduler counted under a lock of its own process, and the two let
+    each other's submits through)."""
+    other = world.services.pool + "-b"
+    b = world.services.start("scheduler", "api_port=0", env={**world.env, "OPENTINKER_POOL": other})
+    accepted: list[str] = []
+    try:
+        cmd = SubmitJob(spec=spec_from_dict(unplaceable(world, "bob-pools"), "train"), api_key=world.bob_key)
+        for _ in range(300):  # until the other pool's scheduler answers (an empty submit, refused)
+            with contextlib.suppress(Exception):
+                await world.service.nc.request(S.submit_subject(other), b"", timeout=0.5)
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(world.services.logs())
+        already = sum(1 for j in await bobs_jobs(world) if j["state"] not in FINISHED)
+        body = {"spec": unplaceable(world, "bob-pools")}
+        for _ in range(3):  # rounds: a race lost once is lost again
+            rest = [world.api.post("/v1/jobs", json=body, headers=bearer(world.bob_key)) for _ in range(6)]
+            over_nats = [world.service.request(S.submit_subject(other), cmd, SubmitReply, timeout_s=30)
+                         for _ in range(6)]
+            for a in await asyncio.gather(*rest, *over_nats):
+                if isinstance(a, SubmitReply):
+                    assert a.ok or "max_unfinished_jobs_per_user" in a.error, a
+                    accepted += [a.job_id] if a.ok else []
+                else:
+                    assert a.status_code in (201, 409), a.text
+                    accepted += [a.json()["job_id"]] if a.status_code == 201 else []
+            unfinished = [j for j in await bobs_jobs(world) if j["state"] not in FINISHED]
+            assert len(unfinished) <= MAX_UNFINISHED, (already, unfinished)
+            for job_id in accepted:
+                r = await world.api.post(f"/v1/jobs/{job_id}/cancel", json={"reason": "burst over"},
+                                         headers=bearer(world.bob_key))
+                assert r.status_code == 200, r.text
+            accepted.clear()
+    finally:
+        for job_id in accepted:
+            await world.api.post(f"/v1/jobs/{job_id}/cancel", json={"reason": "burst over"},
+                                 headers=bearer(world.bob_key))
+        b.terminate()
+        await asyncio.to_thread(b.wait, 30)
     nothing_exited(world)
 
 
