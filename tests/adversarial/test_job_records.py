@@ -104,12 +104,12 @@ async def test_a_burst_over_two_pools_schedulers_gets_no_more_than_the_unfinishe
             await asyncio.sleep(0.2)
         else:
             raise AssertionError(world.services.logs())
-        already = sum(1 for j in await bobs_jobs(world) if j["state"] not in FINISHED)
+        already = sum(1 for j in await bobs_jobs(world) if j["state"] not in FINISHED)  # none in the other
         body = {"spec": unplaceable(world, "bob-pools")}
-        for _ in range(3):  # rounds: a race lost once is lost again
-            rest = [world.api.post("/v1/jobs", json=body, headers=bearer(world.bob_key)) for _ in range(6)]
+        for _ in range(10):  # rounds of 20 submits; at c3c7ade, 3 runs of 3 each let a fourth job through
+            rest = [world.api.post("/v1/jobs", json=body, headers=bearer(world.bob_key)) for _ in range(10)]
             over_nats = [world.service.request(S.submit_subject(other), cmd, SubmitReply, timeout_s=30)
-                         for _ in range(6)]
+                         for _ in range(10)]
             for a in await asyncio.gather(*rest, *over_nats):
                 if isinstance(a, SubmitReply):
                     assert a.ok or "max_unfinished_jobs_per_user" in a.error, a
@@ -117,8 +117,8 @@ async def test_a_burst_over_two_pools_schedulers_gets_no_more_than_the_unfinishe
                 else:
                     assert a.status_code in (201, 409), a.text
                     accepted += [a.json()["job_id"]] if a.status_code == 201 else []
-            unfinished = [j for j in await bobs_jobs(world) if j["state"] not in FINISHED]
-            assert len(unfinished) <= MAX_UNFINISHED, (already, unfinished)
+            # (the REST API lists its own pool's jobs: the count is of the answers)
+            assert len(accepted) == MAX_UNFINISHED - already, (already, accepted)
             for job_id in accepted:
                 r = await world.api.post(f"/v1/jobs/{job_id}/cancel", json={"reason": "burst over"},
                                          headers=bearer(world.bob_key))
