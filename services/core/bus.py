@@ -60,8 +60,7 @@ JS_NO_PEERS = 10005  # "no suitable peers for placement": a cluster node is stil
 JS_STREAM_NOT_FOUND = 10059  # also, briefly, a stream just created, asked of a node that has not seen it yet
 PLACEMENT_WAIT_S = 120.0  # how long creating a replicated stream waits for the cluster's nodes
 KV_BUCKETS = (S.KV_JOBS, S.KV_WORKERS, S.KV_USERS, S.KV_KEYS, S.KV_TINKER, S.KV_ENVS, S.KV_TINKER_SEQS, S.KV_LOCKS)
-KV_TTL_S = {S.KV_WORKERS: S.WORKER_TTL_S, S.KV_TINKER_SEQS: S.TINKER_RECORD_TTL_S,  # expiring, no history
-            S.KV_LOCKS: S.LOCK_TTL_S}
+KV_TTL_S = {S.KV_WORKERS: S.WORKER_TTL_S, S.KV_TINKER_SEQS: S.TINKER_RECORD_TTL_S, S.KV_LOCKS: S.LOCK_TTL_S}
 
 # errors a NATS outage or a JetStream restart produces (the call may succeed later)
 TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.StaleConnectionError,
