@@ -43,10 +43,13 @@ links=()
 for d in ${PIP_FIND_LINKS:-} /opt/wheels; do
   [ -d "$d" ] && links+=(--find-links "$d")
 done
-uv pip install -q --python .venv/bin/python "${links[@]}" \
+# uv's build scratch (its uv-setuptools-*.lock files) in a folder of this run's, removed after
+uv_tmp=$(mktemp -d "${TMPDIR:-/tmp}/ot-install-XXXXXXXX")
+trap 'rm -rf "$uv_tmp"' EXIT
+TMPDIR="$uv_tmp" uv pip install -q --python .venv/bin/python "${links[@]}" \
   --override .ci/overrides.txt -c constraints.txt -e ".[${EXTRAS}]"
 # never let the CUDA side packages in, whatever resolved them
-uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
+TMPDIR="$uv_tmp" uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
 # Bytecode for every installed module, once (uv writes none; where PYTHONDONTWRITEBYTECODE
 # is set, as on this project's CI machines, Python never caches it either, so each
 # service process compiled torch, transformers and sympy from source: 15 s of CPU per

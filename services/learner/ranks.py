@@ -3,20 +3,21 @@
 The learner service stays the job's one voice on the bus: it fetches the trajectories,
 keeps the ledger, builds each step's micro-batches, publishes one weight event per
 step and writes the checkpoints, exactly as with one rank. Only the engine moves out:
-`RankGroup` has `TrainEngine`'s interface and runs N ranks it starts itself
-(`python -m opentinker.services.learner.ranks`, RANK / LOCAL_RANK / WORLD_SIZE set),
-gloo on CPU, nccl on CUDA (one GPU per local rank), over loopback. The ranks meet in a
-file store in the group's private folder, not through torchrun: torchrun's TCP store
-listens on every interface with no authentication (process_group.py). Rank 0 receives every engine call
-from the service over a loopback connection authenticated by a one-time key
-(`multiprocessing.connection`, HMAC challenge; the key is in a 0600 file, never on a
-command line) and scatters it to the ranks (`torch.distributed.scatter_object_list`):
-a training step's micro-batches are split by `batching.shard_updates`, so each rank
-trains on its shard and DeepSpeed all-reduces the gradients (ZeRO 0-3 partitions what
-the stage says across the N ranks); every other call (logprobs, weights, checkpoints)
-runs on every rank, as the collectives of ZeRO-3 need. Rank 0 answers with its result.
-A rank whose call fails ends the group at once (the others may be waiting for it in a
-collective): the call raises RankError naming the rank and its error.
+`RankGroup` has `TrainEngine`'s interface and runs N ranks it starts itself (`python
+-m opentinker.services.learner.ranks`, RANK / LOCAL_RANK / WORLD_SIZE set), gloo on
+CPU, nccl on CUDA (one GPU per local rank), over loopback. The ranks meet in a file
+store in the group's private folder, not through torchrun, whose TCP store listens on
+every interface with no authentication (process_group.py). Rank 0 receives every
+engine call from the service over a loopback connection authenticated by a one-time
+key (`multiprocessing.connection`, HMAC challenge; the key is in a 0600 file, never on
+a command line) and scatters it to the ranks
+(`torch.distributed.scatter_object_list`): a training step's micro-batches are split
+by `batching.shard_updates`, so each rank trains on its shard and DeepSpeed
+all-reduces the gradients (ZeRO 0-3 partitions what the stage says across the N
+ranks); every other call (logprobs, weights, checkpoints) runs on every rank, as the
+collectives of ZeRO-3 need. Rank 0 answers with its result. A rank whose call fails
+ends the group at once (the others may be waiting for it in a collective): the call
+raises RankError naming the rank and its error.
 
 Why one rank talks to the bus, not each rank consuming its own shard: a step is the
 set of groups the ledger (ledger.py) admits (duplicates skipped, stale runs dropped,
