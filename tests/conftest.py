@@ -206,6 +206,23 @@ def tiny_vlm(home, smollm2) -> str:
     return make_tiny_vlm(home / "models" / "tiny-llava", smollm2)
 
 
+def listeners(pid: int) -> list[tuple[int, str, int, bool]]:
+    """Every listening TCP socket of process `pid` and those it started, as (pid, ip,
+    port, on loopback); [] once the process is gone."""
+    import ipaddress
+
+    import psutil
+
+    found = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        proc = psutil.Process(pid)
+        for q in [proc, *proc.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                found += [(q.pid, c.laddr.ip, c.laddr.port, ipaddress.ip_address(c.laddr.ip).is_loopback)
+                          for c in q.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    return found
+
+
 class Services:
     """Start OpenTinker services as subprocesses; stop them by PID. Each test's services
     form a worker pool of their own (`pool`), so a scheduler places only this test's
@@ -241,21 +258,8 @@ class Services:
         started that is not on loopback, as "<service> pid <pid> <ip>:<port>": a test's
         services listen on loopback only (the NATS and HTTP ports a deployment opens are
         the operator's, with their own authentication)."""
-        import ipaddress
-
-        import psutil
-
-        found = []
-        for name, p in self.procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc = psutil.Process(p.pid)
-                for q in [proc, *proc.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        found += [f"{name} pid {q.pid} {c.laddr.ip}:{c.laddr.port}"
-                                  for c in q.net_connections(kind="inet")
-                                  if c.status == psutil.CONN_LISTEN
-                                  and not ipaddress.ip_address(c.laddr.ip).is_loopback]
-        return found
+        return [f"{name} pid {pid} {ip}:{port}" for name, p in self.procs
+                for pid, ip, port, loopback in listeners(p.pid) if not loopback]
 
     def stop_all(self) -> None:
         for _, p in self.procs:

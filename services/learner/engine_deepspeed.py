@@ -22,12 +22,14 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+
 from opentinker.schemas import JobSpec
 from opentinker.services.core import tracing
 from opentinker.services.learner import surrogates
 from opentinker.services.learner.batching import Batch
 from opentinker.services.learner.ds_config import deepspeed_config
-from opentinker.services.learner.loss import AggTotals, LossConfig, aggregation_weights, policy_loss, selected_logprobs
+from opentinker.services.learner.loss import (AggTotals, LossConfig, aggregation_weights, policy_loss,
+                                              selected_logprobs)
 from opentinker.services.learner.process_group import init_distributed
 
 log = logging.getLogger("opentinker.learner.engine")
@@ -64,14 +66,10 @@ class TrainEngine:
             os.environ["DS_ACCELERATOR"] = picked
             raise RuntimeError(f"a learner on {device!r} needs a process of its own: DeepSpeed's accelerator "
                                f"in this process is {picked!r}, fixed at its first import")
-        from opentinker.services.core.models import (
-            load_policy_model,
-            load_processor,
-            lora_targets,
-            resolve_dtype,
-            training_attention,
-        )
         from transformers import AutoTokenizer
+
+        from opentinker.services.core.models import (load_policy_model, load_processor, lora_targets,
+                                                     resolve_dtype, training_attention)
 
         self.spec = spec
         self.device = device

@@ -3,7 +3,6 @@ rank and what failed, the call returns instead of hanging (a rank that fails end
 group; the others may be waiting for it in a collective), and no rank outlives it. The
 ranks listen on loopback only."""
 
-import ipaddress
 import os
 import signal
 import stat
@@ -15,17 +14,13 @@ import pytest
 from opentinker.schemas import JobSpec
 from opentinker.services.learner.ranks import RankError, RankGroup
 
+from conftest import listeners
+
 
 def _start(tmp_path, tiny_model) -> RankGroup:
     scratch = tmp_path / "scratch"
     scratch.mkdir(mode=0o700)
     return RankGroup(JobSpec(lora_rank=4, lora_alpha=8, learner_ranks=2), tiny_model, "cpu", scratch, threads=1)
-
-
-def _listening(pids: list[int]) -> list[str]:
-    """Every listening TCP socket of these processes, as "<ip>:<port>"."""
-    return [f"{c.laddr.ip}:{c.laddr.port}" for pid in pids
-            for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
 
 
 @pytest.mark.timeout(600)
@@ -40,8 +35,8 @@ def test_a_failing_call_names_the_rank_and_ends_the_group(tmp_path, tiny_model):
         # pairs); torchrun's rendezvous store listened on every interface, unauthenticated
         pids = [p.pid for p in group._procs]
         assert {c.pid for c in psutil.Process().children(recursive=True)} >= set(pids)
-        listening = _listening(pids)
-        assert listening and all(ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback for a in listening), listening
+        listening = [s for pid in pids for s in listeners(pid)]
+        assert listening and all(loopback for *_, loopback in listening), listening
         t0 = time.monotonic()
         with pytest.raises(RankError, match=r"load_state failed on rank 0: RuntimeError: no DeepSpeed checkpoint"):
             group.load_state(tmp_path / "nowhere")
