@@ -11,7 +11,7 @@ from pathlib import Path
 from opentinker.cli.common import home
 from opentinker.ops.stack import SERVICES
 # Commands whose arguments all pass through to another parser (cli/main.py splits them off).
-PASSTHROUGH = ("serve-model", "envhost")
+PASSTHROUGH = ("serve-model", "envhost", "upstream")
 
 
 def cmd_up(args: argparse.Namespace) -> int:

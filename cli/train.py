@@ -141,3 +141,7 @@ def register(sub) -> None:
                    help="also log the job to wandb (offline unless WANDB_API_KEY or WANDB_MODE say otherwise)")
     s.set_defaults(fn=cmd_train)
 
+    s = sub.add_parser("upstream", help="run one of upstream OpenTinker's client scripts unchanged "
+                                        "(math_rl.py, math_inference.py, ...): SCRIPT [hydra overrides]")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=lambda args: __import__("opentinker.client.run_script", fromlist=["main"]).main(args.rest))

@@ -14,6 +14,8 @@ only when asked for):
                               caller's process as the user's own env
     inference_pipeline.py     run_inference: a game against an OpenAI-compatible endpoint
     static_data_generator.py  dataset rows (Parquet, JSON(L)) as prompts and reset kwargs
+    math/                     MathGame, MathGameEnvironment: upstream's math game on a dataset
+    game_stats_client.py      GameStatsClient: per-job game statistics, kept in this process
 
 Imports only the standard library: part of the client install, so an environment is
 written and tried on a laptop without torch.

@@ -33,6 +33,7 @@ from uuid import uuid4
 from rich.progress import track
 
 from opentinker.environment.base_game import AbstractGame, StepResult, opening
+from opentinker.environment.game_stats_client import record_episode
 from opentinker.environment.static_data_generator import StaticDatasetGenerator
 
 # job id -> (base URL, bearer token, model) of the inference endpoints this process
@@ -54,7 +55,9 @@ def forget_endpoint(job_id: str) -> None:
 @dataclass
 class InferenceResult:
     """One sample's trajectory (upstream's record). `reward` sums the step rewards;
-    `num_turns` counts assistant and env turns; `info` = {"env_info": [step info, ...]}."""
+    `num_turns` counts assistant and env turns; `info` = {"env_info": [step info, ...]}.
+    `final_reward` (the last step's reward) and `env_steps` are kept for the game
+    statistics (game_stats_client.py), not written to the JSONL."""
 
     sample_id: str
     messages: list[dict[str, Any]]
@@ -65,6 +68,8 @@ class InferenceResult:
     num_turns: int
     ground_truth: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    final_reward: float = 0.0
+    env_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSONL record, in upstream's key order."""
@@ -174,7 +179,7 @@ def run_episode(endpoint: ChatEndpoint, game: AbstractGame, messages: list[dict[
     conversation = list(messages)
     game.reset(**env_kwargs)
     user_turns = assistant_turns = used = 0
-    reward, done, infos = 0.0, False, []
+    reward, last, done, infos = 0.0, 0.0, False, []
     while not done:
         if max_assistant_turns and assistant_turns >= max_assistant_turns:
             break
@@ -193,6 +198,7 @@ def run_episode(endpoint: ChatEndpoint, game: AbstractGame, messages: list[dict[
         if not isinstance(r, StepResult):
             raise TypeError(f"step must return StepResult, got {type(r).__name__}")
         reward += float(r.reward)
+        last = float(r.reward)
         done = bool(r.done)
         infos.append(dict(r.info or {}))
         user_turns += 1
@@ -208,7 +214,8 @@ def run_episode(endpoint: ChatEndpoint, game: AbstractGame, messages: list[dict[
         sample_id=sample_id, messages=conversation, prompt_text=chatml(messages),
         response_text="\n".join(m["content"] for m in conversation if m["role"] == "assistant"),
         reward=reward, done=done, num_turns=user_turns + assistant_turns,
-        ground_truth=env_kwargs.get("ground_truth"), info={"env_info": infos})
+        ground_truth=env_kwargs.get("ground_truth"), info={"env_info": infos}, final_reward=last,
+        env_steps=len(infos))
 
 
 def run_inference(model_path: str | None = None, data_path: str | None = None,
@@ -225,7 +232,8 @@ def run_inference(model_path: str | None = None, data_path: str | None = None,
     The endpoint: `vllm_server_url`, else the one registered for `job_id` (or for
     `model_path` when it names one) by InferenceSchedulerClient in this process; the
     bearer token: `api_key`, else the registered one. `env_endpoint` and
-    `tensor_parallel_size` are accepted and unused (the game runs here). Writes one JSON
+    `tensor_parallel_size` are accepted and unused (the game runs here); each episode is
+    recorded under `job_id` for GameStatsClient. Writes one JSON
     line per sample to `output_path` (truncated first), prints upstream's summary.
 
     Returns the InferenceResults in sample order. Raises ValueError without a game class
@@ -252,6 +260,7 @@ def run_inference(model_path: str | None = None, data_path: str | None = None,
                                  uuid4().hex, temperature, top_p, max_tokens, max_tokens_per_turn, max_user_turns,
                                  max_assistant_turns, max_context_length)
             results.append(result)
+            record_episode(job_id, result.final_reward, result.reward, result.env_steps, result.done)
             if output_path:
                 with open(output_path, "a") as f:
                     f.write(json.dumps(result.to_dict(), ensure_ascii=False, default=str) + "\n")

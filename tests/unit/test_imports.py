@@ -76,7 +76,10 @@ SERVER_ONLY = ("torch", "vllm", "transformers", "deepspeed", "peft", "duckdb", "
 def test_sdk_import_pulls_no_server_extra():
     code = ("import sys, opentinker.sdk, opentinker.sdk.infer, opentinker.sdk.wandb_bridge, opentinker.cli.main,"
             " opentinker.schemas, opentinker.client.utils.http_training_client,"
-            " opentinker.environment.base_game_environment, opentinker.environment.inference_pipeline;"
+            " opentinker.environment.base_game_environment, opentinker.environment.inference_pipeline,"
+            " opentinker.environment.math.math_env, opentinker.environment.game_stats_client,"
+            " opentinker.client.utils.utils, opentinker.client.utils.scheduler_client_lifecycle,"
+            " opentinker.client.run_script;"
             f" print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,0 +1,110 @@
+"""Upstream OpenTinker's own client scripts and configs, verbatim
+(tests/fixtures/upstream_client: math_rl.py, math_inference.py and their hydra YAML),
+run as a user of the shared stack (tests/tenants.py) with only a key in the environment:
+`opentinker upstream SCRIPT overrides`, laid out as in upstream's checkout
+(opentinker/client/ with upstream's own `utils/` beside the scripts, which must not be
+what they import) and with GSM8K rows in upstream's Parquet columns under data/."""
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opentinker.sdk.client import Client
+from tests.fixtures.gsm8k_data import SAMPLE as GSM8K
+from tests.tenants import make_user
+
+pytestmark = pytest.mark.timeout(900)
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "upstream_client"
+INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+def _upstream_rows(src: Path, n: int, split: str) -> list[dict]:
+    """The first `n` GSM8K problems of `src` in the columns upstream's preprocessing
+    writes (opentinker/data_preprocess/math_multiturn_w_interaction.py)."""
+    rows = []
+    for i, line in enumerate(src.read_text().splitlines()[:n]):
+        p = json.loads(line)
+        question, gold = p["question"] + " " + INSTRUCTION, p["answer"].rsplit("####", 1)[1].strip()
+        rows.append({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": question}],
+                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": gold},
+                     "extra_info": {"split": split, "index": i, "question": p["question"],
+                                    "interaction_kwargs": {"name": "math", "query": question, "ground_truth": gold}}})
+    return rows
+
+
+def _checkout(root: Path) -> Path:
+    """upstream's layout: opentinker/client/{math_rl.py, math_inference.py, client_config/,
+    utils/} and data/math/{train,test}.parquet. Returns the repository root."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    client = root / "opentinker" / "client"
+    shutil.copytree(FIXTURE, client, ignore=shutil.ignore_patterns("README.md", "LICENSE", "__pycache__"))
+    (client / "utils").mkdir()
+    (client / "utils" / "__init__.py").write_text("")
+    for name in ("http_training_client", "utils", "scheduler_client_lifecycle"):
+        (client / "utils" / f"{name}.py").write_text(f"raise ImportError('upstream utils.{name} was imported')\n")
+    data = root / "data" / "math"
+    data.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(_upstream_rows(GSM8K / "train.jsonl", 8, "train")), data / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(_upstream_rows(GSM8K / "test.jsonl", 4, "test")), data / "test.parquet")
+    return root
+
+
+def _run(root: Path, env: dict, script: str, *overrides: str) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(Path(sys.executable).parent / "opentinker"), "upstream", f"opentinker/client/{script}",
+                        *overrides],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=800)
+    print(r.stdout[-6000:], r.stderr[-6000:])
+    return r
+
+
+async def test_upstreams_math_scripts_train_and_infer_unchanged(world, tmp_path):
+    key = await make_user(world.api, "erin")
+    root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
+    # the key travels in the environment, never on a command line; the YAML's own example
+    # key is overridden with null so the client takes $OPENTINKER_API_KEY
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NATS_URL": world.server.url,
+           "OPENTINKER_API_KEY": key, "OPENTINKER_HOME": os.environ.get("OPENTINKER_HOME", str(tmp_path / "h")),
+           "TMPDIR": os.environ.get("TMPDIR", "/tmp"), "HYDRA_FULL_ERROR": "1"}
+    common = [f"scheduler_url={world.api_url}", "scheduler_api_key=null", f"tokenizer_path={world.tiny_model}"]
+    r = await asyncio.to_thread(
+        _run, root, env, "math_rl.py", *common, "data_path=data/math/train.parquet",
+        "val_data_path=data/math/test.parquet", "batch_size=2", "rollout_n=2", "num_steps=2", "test_freq=1",
+        "val_batch_size=2", "max_new_tokens=8", "max_prompt_tokens=400", "multi_turn.max_tokens_per_turn=8",
+        "logger_backends=[console]", "experiment_name=upstream-math")
+    assert r.returncode == 0, r.stderr[-4000:]
+    job_id = re.search(r"✓ Job (\S+) allocated at", r.stdout).group(1)
+    assert "Training completed! Metrics:" in r.stdout
+    assert "upstream utils" not in r.stdout + r.stderr
+
+    erin = await Client.connect(world.server.url, api_key=key, api_url=world.api_url)
+    try:
+        rec = await erin.job(job_id).record()
+        assert (rec.state.value, rec.spec.steps, rec.spec.env, rec.spec.lora_rank) == ("completed", 2, "math", 0), rec
+        splits = {(m.split, m.step) async for m in erin.job(job_id).metrics()}
+        assert ("train", 1) in splits and any(s == "eval" for s, _ in splits), splits  # test_freq=1
+
+        r = await asyncio.to_thread(
+            _run, root, env, "math_inference.py", *common[:2], f"model_path={job_id}",
+            "data_path=data/math/test.parquet", "output_path=results.jsonl", "max_samples=2", "max_new_tokens=8")
+        assert r.returncode == 0, r.stderr[-4000:]
+        inf_id = re.search(r"✓ Inference job (\S+) started at", r.stdout).group(1)
+        assert "Total samples: 2" in r.stdout  # GameStatsClient: the episodes played in that process
+        rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+        assert [row["ground_truth"] for row in rows] == [p["reward_model"]["ground_truth"] for p in
+                                                        _upstream_rows(GSM8K / "test.jsonl", 2, "test")]
+        assert all(row["messages"][0]["role"] == "system" and "\\boxed{}" in row["messages"][0]["content"]
+                   for row in rows)
+        # the lifecycle manager ended the inference job when the script exited
+        assert (await erin.job(inf_id).record()).state.value == "completed"
+    finally:
+        await erin.close()

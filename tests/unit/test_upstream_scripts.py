@@ -1,0 +1,192 @@
+"""The pieces upstream OpenTinker's client scripts import beyond its client API
+(client/run_script.py, client/utils/{utils,scheduler_client_lifecycle}.py,
+environment/math, environment/game_stats_client.py); the scripts themselves run in
+tests/integration/test_upstream_scripts.py."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from opentinker.client.utils.scheduler_client_lifecycle import SchedulerClientLifecycleManager
+from opentinker.client.utils.utils import resolve_path, resolve_paths_in_config, tolerant_merge_dicts
+from opentinker.environment.game_stats_client import GameStatsClient, record_episode
+from opentinker.environment.math import MathGame
+from opentinker.environment.math import math_game
+from opentinker.environment.math.math_env import MathGameEnvironment
+
+OPENTINKER = str(Path(sys.executable).parent / "opentinker")
+
+
+@pytest.mark.parametrize("reply, gold, reward", [
+    ("so the answer is \\boxed{42}", "42", 1.0),
+    ("Janet makes 9 * 2 = $18 a day.\n#### 18", "18", 1.0),
+    ("half of it: \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{41}", "42", 0.0),
+    ("no answer at all", "42", 0.0),
+])
+def test_math_game_scores_the_reply_against_the_ground_truth(reply, gold, reward):
+    game = MathGame()
+    assert game.reset(ground_truth=gold, data_source="openai/gsm8k", extra_info={"index": 3}) == ""
+    r = game.step(reply)
+    assert (r.reward, r.done) == (reward, True)
+    assert r.info["ground_truth"] == gold and r.info["index"] == 3 and r.info["attempt"] == 1
+    again = game.step(reply)  # single turn: over after one reply
+    assert (again.reward, again.done, again.info) == (0.0, True, {"error": "game_over"})
+
+
+def test_math_game_answer_pattern_and_the_fallback_without_math_verify(monkeypatch):
+    game = MathGame(answer_pattern=r"ANSWER: (\S+)")
+    game.reset(ground_truth="7")
+    assert game.step("ANSWER: 7").reward == 1.0
+    game.reset(ground_truth="7")
+    assert game.step("\\boxed{7}").reward == 0.0  # the pattern is required
+
+    import opentinker.services.envhost.envs.answers as answers
+
+    def missing(*a):
+        raise ImportError("math_verify")
+
+    monkeypatch.setattr(answers, "verify_answer", missing)
+    assert math_game.score_answer("so \\boxed{ 12 }", "12") == 1.0  # upstream's containment fallback
+    assert math_game.score_answer("\\boxed{13}", "12") == 0.0
+
+
+def _rows(path: Path, n: int) -> None:
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + {i}?"}],
+                                        "reward_model": {"ground_truth": str(2 * i)}, "data_source": "arith"}) + "\n"
+                            for i in range(n)))
+
+
+def test_math_game_environment_takes_upstreams_constructor(tmp_path):
+    _rows(tmp_path / "train.jsonl", 6)
+    _rows(tmp_path / "val.jsonl", 2)
+    cfg = {"batch_size": 2, "interaction": {"name": "math"}, "val_batch_size": 2}
+    env = MathGameEnvironment(MathGame, cfg, str(tmp_path / "train.jsonl"), [str(tmp_path / "val.jsonl")],
+                              job_id="j-1")
+    assert (env.data_paths, env.val_data_paths, env.job_id) == ([str(tmp_path / "train.jsonl")],
+                                                               [str(tmp_path / "val.jsonl")], "j-1")
+    assert (env.steps_per_epoch, env.eval_episodes, env.interaction_name) == (3, 2, "math")
+    game = env.served_class()
+    state = game.generate_initial_state(4, "train")
+    game.reset(**state)
+    assert game.get_user_message_with_state(**state) == "4 + 4?" and game.step("\\boxed{8}").reward == 1.0
+    with pytest.raises(ValueError, match="data_paths"):
+        MathGameEnvironment(MathGame, cfg, [])
+
+
+def test_game_stats_client_counts_the_episodes_of_its_job():
+    a, b = GameStatsClient("http://0.0.0.0:8088", job_id="stats-a"), GameStatsClient("", job_id="stats-b")
+    assert a.health_check() and a.reset_all()["job_id"] == "stats-a"
+    record_episode("stats-a", 1.0, 1.0, 1, True)
+    record_episode("stats-a", 0.0, 0.5, 2, True)
+    record_episode("stats-a", 0.0, 0.0, 3, False)
+    record_episode("stats-b", 1.0, 1.0, 1, True)
+    s = a.get_all_stats()
+    assert (s["total_samples"], s["games_in_step"], s["incomplete_samples"]) == (3, 2, 1)
+    assert (s["mean_final_reward"], s["mean_sum_reward"], s["mean_game_steps"]) == (0.5, 0.75, 1.5)
+    assert s["cumulative"]["total_games"] == 2 and {"stats-a", "stats-b"} <= set(a.list_jobs()["jobs"])
+    assert a.reset_step()["step"] == 1 and a.get_step_stats()["total_samples"] == 0
+    assert a.get_cumulative_stats()["total_samples"] == 3  # a new step keeps the totals
+    assert b.get_step_stats()["games_in_step"] == 1  # another job's figures are its own
+    a.reset_all(), b.reset_all()
+    assert a.get_cumulative_stats() == {"job_id": "stats-a"}
+
+
+def test_resolve_paths_in_config_as_upstream_but_keeps_model_names(tmp_path):
+    (tmp_path / "local-model").mkdir()
+    assert resolve_path("data/train.parquet", str(tmp_path)) == str(tmp_path / "data/train.parquet")
+    assert resolve_path("Qwen/Qwen2.5-1.5B", str(tmp_path)) == "Qwen/Qwen2.5-1.5B"  # a Hugging Face id
+    assert resolve_path("smollm2-135m-instruct", str(tmp_path)) == "smollm2-135m-instruct"  # a model name here
+    assert resolve_path("local-model", str(tmp_path)) == str(tmp_path / "local-model")  # a folder there
+    assert resolve_path("/abs/x.json", str(tmp_path)) == "/abs/x.json"
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"data_path": "d/t.jsonl", "val_data_path": None, "tokenizer_path": "a/b", "other": "x/y"})
+    resolve_paths_in_config(cfg, str(tmp_path))
+    assert (cfg.data_path, cfg.val_data_path, cfg.tokenizer_path, cfg.other) == (str(tmp_path / "d/t.jsonl"), None,
+                                                                                 "a/b", "x/y")
+    with pytest.warns(RuntimeWarning, match="'k' overridden"):
+        assert tolerant_merge_dicts({"a": {"x": 1}, "k": 1}, None, {"a": {"y": 2}, "k": {"z": 3}}) == {
+            "a": {"x": 1, "y": 2}, "k": {"z": 3}}
+
+
+class _Scheduler:
+    """A stand-in with SchedulerClient's job-status surface: what the manager calls."""
+
+    def __init__(self, status: str, kind: str | None = "train"):
+        self.status, self.kind, self.calls = status, kind, []
+
+    def get_job_status(self, job_id):
+        return {"job_id": job_id, "status": self.status, **({"kind": self.kind} if self.kind else {})}
+
+    def cancel_job(self, job_id):
+        self.calls.append(("cancel", job_id))
+        return {"status": "CANCELLED", "message": "cancelled by the client"}
+
+    def complete_job(self, job_id):
+        self.calls.append(("complete", job_id))
+        return {"status": "COMPLETED", "message": "completed by the client"}
+
+
+@pytest.mark.parametrize("status, kind, calls", [
+    ("RUNNING", "train", [("cancel", "j")]),
+    ("RUNNING", "inference", [("complete", "j")]),
+    ("RESERVED", None, [("cancel", "j")]),
+    ("COMPLETED", "train", []),
+    ("FAILED", "inference", []),
+])
+def test_the_lifecycle_manager_ends_only_a_job_still_open(status, kind, calls):
+    m, sched, order = SchedulerClientLifecycleManager(), _Scheduler(status, kind), []
+    m.register_job(sched, "j")
+    m.add_cleanup_callback(lambda: order.append("callback"))
+    m.add_cleanup_callback(lambda: 1 / 0)  # a failing callback is reported, the rest still run
+    m._cleanup_all()
+    m._cleanup_all()  # once only
+    assert sched.calls == calls and order == ["callback"]
+    with pytest.raises(NotImplementedError, match="reward"):
+        m.start_reward_server()
+
+
+def test_a_script_ends_its_registered_job_on_sigterm(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        from opentinker.client.utils.scheduler_client_lifecycle import get_lifecycle_manager
+        class S:
+            def get_job_status(self, job_id): return {"status": "RUNNING", "kind": "train"}
+            def cancel_job(self, job_id): print("cancel", job_id, flush=True); return {"status": "CANCELLED"}
+        get_lifecycle_manager().register_job(S(), "job-1")
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("not reached")
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "cancel job-1" in r.stdout and "not reached" not in r.stdout, r
+
+
+def test_upstream_binds_utils_to_this_package_over_the_scripts_own(tmp_path):
+    """`opentinker upstream SCRIPT ARGS`: the script's `utils.*` imports reach this
+    package even beside upstream's own utils folder, and it sees its own argv."""
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "__init__.py").write_text("raise ImportError('upstream utils imported')\n")
+    (tmp_path / "helper.py").write_text("VALUE = 7\n")  # the script's folder is on sys.path, as with `python SCRIPT`
+    (tmp_path / "s.py").write_text(textwrap.dedent("""
+        import sys
+        from utils.http_training_client import SchedulerClient
+        from utils.utils import resolve_paths_in_config
+        from utils.scheduler_client_lifecycle import get_lifecycle_manager
+        import helper
+        print(SchedulerClient.__module__, resolve_paths_in_config.__module__, helper.VALUE, sys.argv[1:])
+    """))
+    r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "s.py"), "a=1", "--flag"], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["opentinker.client.utils.http_training_client", "opentinker.client.utils.utils",
+                                "7", "['a=1',", "'--flag']"]
+    r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "missing.py")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "missing.py: no such script" in r.stderr
