@@ -32,7 +32,8 @@ from opentinker.schemas import (
 from opentinker.schemas import subjects as S
 from opentinker.services.core.logdb import run_query
 
-from tenants import ADMIN, ADMIN_KEY, A_STEPS, MAX_UNFINISHED, World, bearer, dead_letters, user_connection
+from tenants import (ADMIN, ADMIN_KEY, A_STEPS, MAX_UNFINISHED, World, alice_trains, bearer, dead_letters,
+                     user_connection)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -149,9 +150,19 @@ async def test_an_event_whose_body_names_another_job_is_dead_lettered(world):
 async def test_rollout_serves_only_what_the_scheduler_placed_on_it(world):
     """A request naming the victim's episode ids (request_id <victim>-s7-g0), another job
     not placed on the worker, or another model than the job's (an engine loaded past
-    placement and quotas) is refused."""
+    placement and quotas) is refused. The victim is alice's first job while it runs, else
+    (this test run after others) a job of her own, started here and cancelled after."""
     since = time.time()
-    a_rec = await world.alice.job(world.a_job).record()
+    job_id, own = world.a_job, None
+    a_rec = await world.alice.job(job_id).record()
+    if a_rec.state.terminal:
+        own = await alice_trains(world, "boundary-placed", 200)
+        job_id = own.job.id
+        deadline = time.monotonic() + 120
+        while not ((a_rec := await own.job.record()).state == JobState.RUNNING and a_rec.placement is not None
+                   and "adv-r1" in a_rec.placement.rollout):
+            assert time.monotonic() < deadline and not a_rec.state.terminal, a_rec
+            await asyncio.sleep(0.5)
 
     def req(job: str, **kw) -> RolloutRequest:
         base = dict(job_id=job, request_id=f"{job}-s7-g0", step=7, group_index=0, group_seed=1,
@@ -159,16 +170,21 @@ async def test_rollout_serves_only_what_the_scheduler_placed_on_it(world):
                     attempt=a_rec.attempt, sampling=SamplingParams(max_new_tokens=4, max_total_tokens=64))
         return RolloutRequest(**{**base, **kw})
 
-    await world.service.publish(S.rollout("bob-job", "adv-r1"), req("bob-job", request_id=f"{world.a_job}-s7-g0"))
-    await world.service.publish(S.rollout("bob-job", "adv-r1"), req("bob-job"))
-    await world.service.publish(S.rollout(world.a_job, "adv-r1"), req(world.a_job, model="gpt2"))
-    want = ("`request_id`", "no job 'bob-job'", "`model`: 'gpt2'")
-    # 90 s: the worker reads these only between the groups it is sampling for alice's job,
-    # and once, on 2 loaded cores, the last refusal had not come after 30 s (2026-11-27)
-    letters = await dead_letters(world.service, "rollout", since,
-                                 lambda d: all(any(x in e.reason for e in d) for x in want), timeout_s=90)
-    for x in want:
-        assert any(x in d.reason for d in letters), (x, letters)
+    try:
+        await world.service.publish(S.rollout("bob-job", "adv-r1"), req("bob-job", request_id=f"{job_id}-s7-g0"))
+        await world.service.publish(S.rollout("bob-job", "adv-r1"), req("bob-job"))
+        await world.service.publish(S.rollout(job_id, "adv-r1"), req(job_id, model="gpt2"))
+        want = ("`request_id`", "no job 'bob-job'", "`model`: 'gpt2'")
+        # 90 s: the worker reads these only between the groups it is sampling for alice's job,
+        # and once, on 2 loaded cores, the last refusal had not come after 30 s (2026-11-27)
+        letters = await dead_letters(world.service, "rollout", since,
+                                     lambda d: all(any(x in e.reason for e in d) for x in want), timeout_s=90)
+        for x in want:
+            assert any(x in d.reason for d in letters), (x, letters)
+    finally:
+        if own is not None:
+            await own.job.cancel("test over")
+            own.follower.cancel()
 
 
 async def test_the_workers_endpoint_shows_only_your_own_jobs(world):
