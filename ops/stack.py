@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +62,7 @@ class Stack:
         self.log_dir = self.home / "logs"
         self.server: NatsServer | NatsCluster | None = None
         self.procs: dict[str, subprocess.Popen] = {}
+        self.sockets: dict[str, socket.socket] = {}  # service -> the listening socket it inherits
         self.api_url = ""
         self.tinker_url = ""  # the Tinker API (TINKER_BASE_URL)
 
@@ -77,16 +79,12 @@ class Stack:
             server.picked = True  # 4222 is a preference: taken meanwhile, any free port does (nats_server.py)
             self.server = server.start()
             self.nats_url = self.server.url
-        if ("scheduler" in self.services
-                and not any(o.startswith("api_port=") for o in self.overrides.get("scheduler", []))):
-            api_port = DEFAULT_API_PORT if _port_free(DEFAULT_API_PORT) else free_port()
-            self.overrides.setdefault("scheduler", []).append(f"api_port={api_port}")
-            self.api_url = f"http://127.0.0.1:{api_port}/"
-        if ("tinker" in self.services
-                and not any(o.startswith("tinker_port=") for o in self.overrides.get("tinker", []))):
-            port = DEFAULT_TINKER_PORT if _port_free(DEFAULT_TINKER_PORT) else free_port()
-            self.overrides.setdefault("tinker", []).append(f"tinker_port={port}")
-            self.tinker_url = f"http://127.0.0.1:{port}"
+        # the REST and Tinker APIs' sockets are bound here and inherited by the service
+        # (api_fd / tinker_fd), so no other process can take the port before it starts
+        if "scheduler" in self.services and (sock := self._listen("scheduler", "api", DEFAULT_API_PORT)):
+            self.api_url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
+        if "tinker" in self.services and (sock := self._listen("tinker", "tinker", DEFAULT_TINKER_PORT)):
+            self.tinker_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         for name in self.services:
             self.spawn(name)
             if name == "rollout":  # more rollout workers: rollout-2, rollout-3, ... (own ids and logs)
@@ -99,6 +97,35 @@ class Stack:
              "service_nkey": str(self.server.service_seed_file) if self.server else "",
              "pids": {n: p.pid for n, p in self.procs.items()}}))
         return self
+
+    def _listen(self, service: str, prefix: str, preferred: int):
+        """Bind `service`'s listening socket on `<prefix>_host` (its override, else
+        $OPENTINKER_<PREFIX>_HOST, else 127.0.0.1): port `preferred` when free, else
+        any; pass it on as `<prefix>_fd`/`<prefix>_port` overrides, and return it. None
+        (the service binds its own) when the overrides name the port, the fd, or a
+        --config file. Raises OSError if no port can be bound."""
+        overrides = self.overrides.setdefault(service, [])
+        if any(o.startswith((f"{prefix}_port=", f"{prefix}_fd=", "--config")) for o in overrides):
+            return None
+        hosts = [o.partition("=")[2] for o in overrides if o.startswith(f"{prefix}_host=")]
+        host = hosts[-1] if hosts else os.environ.get(f"OPENTINKER_{prefix.upper()}_HOST") or "127.0.0.1"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        for port in (preferred, 0):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                if port == 0:
+                    raise
+                continue
+            sock.listen(1024)
+            sock.set_inheritable(True)
+            self.sockets[service] = sock
+            overrides += [f"{prefix}_port={sock.getsockname()[1]}", f"{prefix}_fd={sock.fileno()}"]
+            return sock
+        return None
 
     def admin_key_file(self) -> Path:
         """`<home>/admin.key`, made (random, 0600) if missing."""
@@ -154,8 +181,10 @@ class Stack:
             # life keeps its jobs (no requeue), and its unfinished work comes back to it
             overrides.append(f"worker_id={self.worker_id(name)}")
         cmd = [sys.executable, "-m", f"opentinker.services.{service}", *overrides]
+        sock = self.sockets.get(name)
         self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            pass_fds=(sock.fileno(),) if sock is not None else ())
         return self.procs[name]
 
     def worker_id(self, name: str) -> str:
@@ -188,6 +217,9 @@ class Stack:
                 p.kill()
                 p.wait()
         self.procs.clear()
+        for sock in self.sockets.values():
+            sock.close()
+        self.sockets.clear()
         if self.server:
             self.server.stop()
         (self.home / "stack.json").unlink(missing_ok=True)
@@ -208,8 +240,6 @@ def core_share(cores: list[int], index: int, count: int) -> list[int]:
 
 
 def _port_free(port: int) -> bool:
-    import socket
-
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

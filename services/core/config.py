@@ -71,10 +71,15 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     finished_jobs_per_user: int = 200
     api_host: str = "127.0.0.1"   # the scheduler's REST API and dashboard
     api_port: int = 8470          # 0 = no REST API
+    # a listening socket inherited from the starter (`opentinker up` binds the port first,
+    # so nothing can take it before the service starts): the API serves on it, and
+    # api_host/api_port only name it; -1: none. tinker_fd likewise for the Tinker API.
+    api_fd: int = -1
     # the tinker service's Tinker API (TINKER_BASE_URL = http://<tinker_host>:<port>);
     # 0 = a free port (written to <home>/tinker.json)
     tinker_host: str = "127.0.0.1"
     tinker_port: int = 8471
+    tinker_fd: int = -1
     # a Tinker session is finished (its models export and complete, its sampling job
     # ends) after this long without an operation or sample, and this long after it began
     tinker_session_idle_s: float = 3600.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from typing import Any
 
 import uvicorn
@@ -26,12 +27,23 @@ class HttpServer(uvicorn.Server):
         await self.task
 
 
-async def serve_http(app: Any, host: str, port: int) -> HttpServer:
-    """Start `app` on host:port (0: a free port) in this event loop; `await
-    server.stop()` ends it. Raises OSError if the port cannot be bound."""
+async def serve_http(app: Any, host: str, port: int, fd: int = -1) -> HttpServer:
+    """Start `app` on host:port (0: a free port) in this event loop, or, with `fd` >= 0,
+    on that listening socket (inherited from the process that started this one, which
+    bound it: `opentinker up`, so no other process can take the port in between);
+    `await server.stop()` ends it. Raises OSError if the port cannot be bound or `fd` is
+    no listening TCP socket."""
     server = HttpServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                        lifespan="off", access_log=False))
-    task = asyncio.create_task(server.serve())
+    sockets = None
+    if fd >= 0:
+        sock = socket.socket(fileno=fd)
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6) \
+                or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.detach()
+            raise OSError(f"fd {fd} is not a listening TCP socket")
+        sockets = [sock]
+    task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:
         if task.done():
             task.result()

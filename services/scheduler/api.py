@@ -295,7 +295,7 @@ def make_app(sched: "Scheduler") -> FastAPI:
     return app
 
 
-async def serve_api(sched: "Scheduler", host: str, port: int):
-    """Start the API on host:port in this event loop (core/http.py). Raises OSError if
-    the port cannot be bound."""
-    return await serve_http(make_app(sched), host, port)
+async def serve_api(sched: "Scheduler", host: str, port: int, fd: int = -1):
+    """Start the API on host:port, or on the inherited listening socket `fd`, in this
+    event loop (core/http.py). Raises OSError if the port cannot be bound."""
+    return await serve_http(make_app(sched), host, port, fd)

@@ -564,8 +564,8 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     if settings.api_port:
         from opentinker.services.scheduler.api import serve_api
 
-        server = await serve_api(sched, settings.api_host, settings.api_port)
-        log.info("REST API and dashboard on http://%s:%d/", settings.api_host, settings.api_port)
+        server = await serve_api(sched, settings.api_host, settings.api_port, settings.api_fd)
+        log.info("REST API and dashboard on http://%s:%d/", settings.api_host, server.port)
     log.info("scheduler of pool %s ready on %s", settings.pool, settings.nats_url)
     try:
         await bus.consume(events, JobStateChanged, sched.on_event, stop)

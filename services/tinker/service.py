@@ -51,7 +51,7 @@ async def body(settings: Settings, bus: Bus, stop: asyncio.Event) -> None:
     gw = Gateway(bus, settings.home, admin_key=admin_key or os.environ.get("OPENTINKER_ADMIN_KEY", ""),
                  settings=settings)
     runs = Runs(bus)
-    server = await serve_http(make_app(gw, runs), settings.tinker_host, settings.tinker_port)
+    server = await serve_http(make_app(gw, runs), settings.tinker_host, settings.tinker_port, settings.tinker_fd)
     url = f"http://{settings.tinker_host}:{server.port}"
     (Path(settings.home) / "tinker.json").write_text(json.dumps({"base_url": url}))
     log.info("Tinker API on %s (TINKER_BASE_URL)", url)
