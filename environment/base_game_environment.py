@@ -66,10 +66,11 @@ def _user_text(prompt: list[dict[str, str]], where: str) -> str:
 
 def bind_game(game_class: type[AbstractGame], game_kwargs: dict[str, Any] | None = None,
               train: list[dict[str, Any]] | None = None,
-              val: list[dict[str, Any]] | None = None) -> type[AbstractGame]:
+              val: list[dict[str, Any]] | None = None, stats_job: str | None = None) -> type[AbstractGame]:
     """The class to serve: `game_class` with `game_kwargs` bound (the job's env_args
     override them) and, with `train` samples (static_data_generator's), the rows as
-    above. The subclass keeps the game's name."""
+    above; with `stats_job`, each episode is recorded under that job id when it ends
+    (GameStatsClient). The subclass keeps the game's name."""
     kwargs = dict(game_kwargs or {})
 
     def __init__(self, **env_args: Any) -> None:
@@ -103,7 +104,33 @@ def bind_game(game_class: type[AbstractGame], game_kwargs: dict[str, Any] | None
 
         attrs.update(generate_initial_state=generate_initial_state, reset=reset, get_system_prompt=get_system_prompt,
                      get_user_message_with_state=get_user_message_with_state)
-    return type(game_class.__name__, (game_class,), attrs)
+    served = type(game_class.__name__, (game_class,), attrs)
+    return _recording(served, stats_job) if stats_job else served
+
+
+def _recording(cls: type[AbstractGame], job_id: str) -> type[AbstractGame]:
+    """`cls` whose episodes are recorded under `job_id` (game_stats_client.py) when the
+    env host closes them (it does once an episode ends, or is dropped): the last step's
+    reward, the summed reward, the steps, and whether the game said done."""
+    from opentinker.environment.game_stats_client import record_episode
+
+    def step(self, action: str):
+        r = cls.step(self, action)
+        total, n, _, _ = getattr(self, "_ot_episode", (0.0, 0, 0.0, False))
+        self._ot_episode = (total + float(r.reward), n + 1, float(r.reward), bool(r.done))
+        return r
+
+    def close(self) -> None:
+        episode, self._ot_episode = getattr(self, "_ot_episode", None), None
+        if episode is not None:
+            total, n, last, done = episode
+            record_episode(job_id, last, total, n, done)
+        closer = getattr(cls, "close", None)
+        if callable(closer):
+            closer(self)
+
+    return type(cls.__name__, (cls,), {"step": step, "close": close, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 class SampleBatches:
@@ -161,7 +188,8 @@ class GameEnvironment:
         self.batch_size = int(cfg.get("batch_size") or 4)
         self.train_samples = self._load(data_paths or cfg.get("data_path"))
         self.val_samples = self._load(val_data_paths or cfg.get("val_data_path"))
-        self.served_class = bind_game(game_class, self.game_kwargs, self.train_samples, self.val_samples)
+        self.served_class = bind_game(game_class, self.game_kwargs, self.train_samples, self.val_samples,
+                                      stats_job=self.job_id)
         self._val_size = cfg.get("val_batch_size")
         self._steps = cfg.get("num_steps")
         self.train_dataloader, self.val_dataloader = self._loaders()

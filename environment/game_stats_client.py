@@ -11,10 +11,12 @@ directly: `game_server_url` is accepted and unused, and `health_check()` is True
     run_inference(..., game_class=MathGame, job_id=job_id)   # records each episode
     stats.get_all_stats()["mean_final_reward"]
 
-What is recorded: every episode `run_inference` plays for a job id. The episodes of a
-training job run in the env host this process serves (`ServiceClient.fit`); their
-per-step figures (reward, success rate, turns) are in the job's metrics, which `fit`
-prints, so they are not recorded here. Thread-safe; standard library only.
+What is recorded: every episode `run_inference` plays for a job id, and every episode
+of a training job (training and evaluation) that the env served by `ServiceClient.fit`
+from this process plays, under the GameEnvironment's `job_id`, when it ends. Wins,
+losses and draws are read from the sign of an ended episode's last reward (> 0, < 0,
+0), as in a game whose final reward says who won (upstream's Gomoku: +10, -10, 0).
+Thread-safe; standard library only.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def record_episode(job_id: str, final_reward: float, sum_reward: float, steps: i
         if done:
             js.cumulative["total_games"] += 1
             js.cumulative["total_final_reward"] += float(final_reward)
+            outcome = "total_wins" if final_reward > 0 else "total_losses" if final_reward < 0 else "total_draws"
+            js.cumulative[outcome] += 1
         else:
             js.cumulative["total_incomplete"] += 1
 
@@ -60,7 +64,10 @@ def _step_stats(job_id: str) -> dict[str, Any]:
     done = [e for e in js.episodes if e[3]]
     n = len(js.episodes)
     mean_final = _mean([e[0] for e in done])
+    games = len(done) or 1
     return {"job_id": job_id, "step": js.step, "total_samples": n, "games_in_step": len(done),
+            "win_rate": sum(e[0] > 0 for e in done) / games, "loss_rate": sum(e[0] < 0 for e in done) / games,
+            "draw_rate": sum(e[0] == 0 for e in done) / games,
             "incomplete_samples": n - len(done), "completion_rate": len(done) / n if n else 0.0,
             "mean_final_reward": mean_final, "mean_sum_reward": _mean([e[1] for e in done]),
             "mean_sum_reward_all": _mean([e[1] for e in js.episodes]),
@@ -69,13 +76,21 @@ def _step_stats(job_id: str) -> dict[str, Any]:
             "total_interactions": sum(e[2] for e in js.episodes)}
 
 
+def _cumulative(job_id: str) -> dict[str, Any]:
+    js = _jobs.get(job_id) or _JobStats()
+    out: dict[str, Any] = {"job_id": job_id, **dict(js.cumulative)}
+    if js.cumulative.get("total_games"):
+        out["cumulative_win_rate"] = js.cumulative.get("total_wins", 0.0) / js.cumulative["total_games"]
+    return out
+
+
 class GameStatsClient:
     """Upstream's `GameStatsClient(game_server_url, job_id="default", timeout=5.0)`:
     reset_step, get_step_stats, get_all_stats, get_cumulative_stats, reset_all,
     list_jobs, health_check, with upstream's dict keys (step stats: step,
-    total_samples, games_in_step, incomplete_samples, completion_rate,
-    mean_final_reward, mean_sum_reward, mean_avg_reward, mean_game_steps, mean_reward,
-    total_interactions, job_id)."""
+    total_samples, games_in_step, incomplete_samples, completion_rate, win_rate,
+    loss_rate, draw_rate, mean_final_reward, mean_sum_reward, mean_avg_reward,
+    mean_game_steps, mean_reward, total_interactions, job_id)."""
 
     def __init__(self, game_server_url: str = "", job_id: str = "default", timeout: float = 5.0):
         self.url = str(game_server_url or "").rstrip("/")
@@ -97,16 +112,16 @@ class GameStatsClient:
 
     def get_cumulative_stats(self) -> dict[str, Any]:
         """Since the last reset_all: total_samples, total_games, total_incomplete,
-        total_final_reward."""
+        total_final_reward, total_wins, total_losses, total_draws, cumulative_win_rate
+        (only the keys with a count)."""
         with _lock:
-            js = _jobs.get(self.job_id) or _JobStats()
-            return {"job_id": self.job_id, **dict(js.cumulative)}
+            return _cumulative(self.job_id)
 
     def get_all_stats(self) -> dict[str, Any]:
-        """The step figures plus {"cumulative": ...}."""
+        """The step figures, the cumulative ones beside them, and {"cumulative": ...}."""
         with _lock:
-            js = _jobs.get(self.job_id) or _JobStats()
-            return {**_step_stats(self.job_id), "cumulative": dict(js.cumulative)}
+            cumulative = _cumulative(self.job_id)
+            return {**cumulative, **_step_stats(self.job_id), "cumulative": cumulative}
 
     def reset_all(self) -> dict[str, Any]:
         """Forget every figure of this job."""

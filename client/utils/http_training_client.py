@@ -270,15 +270,15 @@ class ServiceClient:
             game_stats_client: Any = None, game_stats_log_freq: int = 1, **ignored: Any) -> dict[str, float]:
         """Train on `env` (a GameEnvironment): serve it, submit the job, show each step's
         reward until the job ends, stop serving. Upstream's arguments (`plan_job`);
-        `game_stats_client` is unused (the game runs here; per-step figures are in the
-        metrics). Returns the last train step's metrics plus "step" (the job's step
-        index). Raises RuntimeError with the job's reason when it fails or is cancelled;
-        Ctrl-C cancels the job."""
+        `game_stats_client` is not needed: the env's episodes are recorded in this
+        process under its job id as they end (a GameStatsClient of that id reads them),
+        and the per-step figures are in the job's metrics. Returns the last train step's
+        metrics plus "step" (the job's step index). Raises RuntimeError with the job's
+        reason when it fails or is cancelled; Ctrl-C cancels the job."""
         res = self._reservation(env)
         spec = plan_job(res.spec, env, num_epochs, num_steps, save_freq, test_freq, validate_before_training)
-        if game_stats_client is not None or ignored:
-            log.info("fit: %s not used here", ", ".join(["game_stats_client"] * (game_stats_client is not None)
-                                                         + sorted(ignored)))
+        if ignored:
+            log.info("fit: %s not used here", ", ".join(sorted(ignored)))
         env.serve(nats_url=res.conn.nats_url, api_key=res.conn.api_key, api_url=res.conn.api_url)
         try:
             rec, last = _Loop.run(self._follow(res, spec, verbose))

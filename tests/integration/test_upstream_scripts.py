@@ -108,3 +108,33 @@ async def test_upstreams_math_scripts_train_and_infer_unchanged(world, tmp_path)
         assert (await erin.job(inf_id).record()).state.value == "completed"
     finally:
         await erin.close()
+
+
+async def test_upstreams_gomoku_script_trains_on_its_game_unchanged(world, tmp_path):
+    """gomoku_rl.py and gomoku_param.yaml (its wandb_key nulled: upstream's file carries
+    one): the game from opentinker.environment.gomoku, its kwargs from the YAML's
+    interaction.config, multi-turn episodes, and the script's closing statistics
+    counted from the games served in its own process."""
+    key = await make_user(world.api, "gina")
+    root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NATS_URL": world.server.url,
+           "OPENTINKER_API_KEY": key, "OPENTINKER_HOME": os.environ.get("OPENTINKER_HOME", str(tmp_path / "h")),
+           "TMPDIR": os.environ.get("TMPDIR", "/tmp"), "HYDRA_FULL_ERROR": "1"}
+    r = await asyncio.to_thread(
+        _run, root, env, "gomoku_rl.py", f"scheduler_url={world.api_url}", "scheduler_api_key=null",
+        f"tokenizer_path={world.tiny_model}", "batch_size=2", "rollout_n=2", "num_steps=1", "test_freq=1",
+        "val_batch_size=2", "max_new_tokens=24", "max_prompt_tokens=400", "multi_turn.max_tokens_per_turn=8",
+        "interaction.config.max_total_steps=3", "logger_backends=[console]", "experiment_name=upstream-gomoku")
+    assert r.returncode == 0, r.stderr[-4000:]
+    job_id = re.search(r"✓ Job (\S+) allocated!", r.stdout).group(1)
+    assert "Training completed!" in r.stdout and "upstream utils" not in r.stdout + r.stderr
+    games = int(re.search(r"Total games: (\d+)", r.stdout).group(1))
+    assert games >= 4, r.stdout[-3000:]  # 1 step of 2 groups of 2, and the evaluations
+    gina = await Client.connect(world.server.url, api_key=key, api_url=world.api_url)
+    try:
+        rec = await gina.job(job_id).record()
+        assert (rec.state.value, rec.spec.env, rec.spec.sampling.max_turns) == ("completed", "gomoku", 3), rec
+        turns = [m.values["turns_mean"] async for m in gina.job(job_id).metrics() if m.split == "train"]
+        assert turns and turns[0] >= 1.0, turns
+    finally:
+        await gina.close()

@@ -190,3 +190,80 @@ def test_upstream_binds_utils_to_this_package_over_the_scripts_own(tmp_path):
     r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "missing.py")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "missing.py: no such script" in r.stderr
+
+
+def _upstream_gomoku():
+    """Upstream's own GomokuGame (tests/fixtures/upstream_client/environment, verbatim),
+    importing this package's AbstractGame and StepResult as it would its own."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "upstream_client" / "environment" / "gomoku_game.py"
+    spec = importlib.util.spec_from_file_location("upstream_gomoku_game", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.GomokuGame
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"board_size": 5, "win_length": 3, "max_total_steps": 12},
+                                    {"board_size": 7, "win_length": 4, "max_initial_moves": 4,
+                                     "empty_board_prob": 0.0}])
+def test_gomoku_plays_exactly_as_upstreams(kwargs):
+    """Same seeds, same replies: every state, prompt, observation, reward, done flag and
+    info of this GomokuGame equals upstream's, over 30 games of legal, illegal and
+    malformed moves (the opponent draws from `random`, seeded alike before each step)."""
+    import random
+
+    from opentinker.environment.gomoku import GomokuGame
+
+    Upstream = _upstream_gomoku()
+    for seed in range(30):
+        ours, theirs = GomokuGame(**kwargs), Upstream(**kwargs)
+        random.seed(seed)
+        state = ours.generate_initial_state()
+        random.seed(seed)
+        assert theirs.generate_initial_state() == state
+        for method in ("get_system_prompt", "get_initial_user_message", "get_interaction_name"):
+            assert getattr(ours, method)() == getattr(theirs, method)()
+        assert ours.get_user_message_with_state(**state) == theirs.get_user_message_with_state(**state)
+        assert ours.reset(**state) == theirs.reset(**state)
+        moves = random.Random(seed)
+        for t in range(60):
+            n = ours.board_size
+            kind = moves.random()
+            if kind < 0.1:
+                action = "I think the centre."
+            elif kind < 0.15:
+                action = f"<move>{n},{moves.randrange(n)}</move>"
+            else:
+                r, c = moves.randrange(n), moves.randrange(n)  # sometimes a taken cell
+                action = f"<thinking>t{t}</thinking><move> {r} , {c} </move>"
+            random.seed(seed * 1000 + t)
+            a = ours.step(action)
+            random.seed(seed * 1000 + t)
+            b = theirs.step(action)
+            assert (a.observation, a.reward, a.done, a.info) == (b.observation, b.reward, b.done, b.info), (seed, t)
+            assert ours.get_state() == theirs.get_state()
+            if a.done:
+                break
+
+
+def test_a_served_game_records_its_episodes_for_the_stats_client():
+    from opentinker.environment.base_game_environment import GameEnvironment
+    from opentinker.environment.gomoku import GomokuGame
+
+    env = GameEnvironment(GomokuGame, {"batch_size": 2}, game_kwargs={"board_size": 5, "max_total_steps": 3},
+                          job_id="gomoku-stats")
+    stats = GameStatsClient("", job_id="gomoku-stats")
+    stats.reset_all()
+    game = env.served_class()
+    game.reset()
+    assert game.step("<move>9,9</move>").reward == -1.0  # out of bounds: the game goes on
+    game.step("<move>0,0</move>")
+    r = game.step("<move>0,1</move>")  # the 3rd step: the timeout
+    assert (r.reward, r.done) == (-20.0, True)
+    game.close()  # the env host closes an ended episode
+    game.close()  # recorded once
+    s = stats.get_all_stats()
+    assert (s["total_samples"], s["games_in_step"], s["mean_final_reward"], s["mean_game_steps"]) == (1, 1, -20.0, 3)
+    assert (s["total_losses"], s["cumulative_win_rate"], s["loss_rate"]) == (1, 0.0, 1.0)
+    stats.reset_all()
