@@ -47,6 +47,10 @@ def machine_capacity(slots: int, engines: list[str]) -> WorkerCapacity:
                           memory_gb=round(mem, 1), engines=engines)
 
 
+#: a gap between two heartbeats written this long is logged (half the way to WORKER_TTL_S)
+LATE_HEARTBEAT_S = S.WORKER_TTL_S / 2
+
+
 class Heartbeat:
     """Keep one worker's entry in `ot_workers` fresh until `stop()`."""
 
@@ -69,12 +73,21 @@ class Heartbeat:
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(S.WORKER_HEARTBEAT_S)
             try:
                 await self.beat()
             except (nats.errors.Error, asyncio.TimeoutError) as e:
                 log.warning("heartbeat of %s failed: %r", self.key, e)
+                continue
+            now = time.monotonic()
+            gap, last = now - last, now
+            if gap > LATE_HEARTBEAT_S:
+                # past WORKER_TTL_S the scheduler counts this worker gone and requeues its jobs
+                log.warning("heartbeat of %s written %.1f s after the one before (every %.0f s; gone after %.0f s): "
+                            "this process's event loop was held up, or the bus was slow", self.key, gap,
+                            S.WORKER_HEARTBEAT_S, S.WORKER_TTL_S)
 
     async def stop(self) -> None:
         """Stop beating and leave the pool."""

@@ -12,6 +12,7 @@ import pytest
 
 from opentinker.ops.stack import Stack
 from opentinker.services.core.http import serve_http
+from tenants import wait_http_ok
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,15 +63,8 @@ def test_the_stack_binds_the_preferred_port_or_another_and_holds_it(tmp_path):
 async def _answers(stack: Stack, *urls: str) -> None:
     async with httpx.AsyncClient(timeout=10) as c:
         for url in urls:
-            for _ in range(120):
-                try:
-                    if (await c.get(url)).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.5)
-            else:
-                raise AssertionError(f"{url} never answered; logs in {stack.log_dir}")
+            await wait_http_ok(url, 60)
+            assert (await c.get(url)).status_code == 200, f"{url} never answered; logs in {stack.log_dir}"
 
 
 async def test_up_serves_the_apis_on_the_sockets_it_bound(tmp_path):
