@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         # a client-only install runs the user commands; the others need an extra
         top = (e.name or "").split(".")[0]
-        if not top or top == "opentinker":
+        if not top or top == "opentinker" or args.cmd == "upstream":  # upstream: the script's own import
             raise
         raise SystemExit(f"opentinker {args.cmd}: the Python package {top!r} is not installed; this command needs "
                          "an extra of opentinker (pip install 'opentinker[server]', or [plot], [wandb])") from None

@@ -22,6 +22,8 @@ import runpy
 import sys
 from pathlib import Path
 
+#: the top-level modules of the `upstream` extra (pyproject.toml)
+UPSTREAM_EXTRA = ("hydra", "omegaconf", "math_verify", "pyarrow")
 #: upstream's `utils.<name>` modules, bound to opentinker.client.utils.<name>
 UTILS_MODULES = ("http_training_client", "utils", "scheduler_client_lifecycle", "config")
 
@@ -47,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     bind_utils()
     sys.argv = [str(script), *args[1:]]
     sys.path.insert(0, str(script.resolve().parent))
-    runpy.run_path(str(script), run_name="__main__")
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in UPSTREAM_EXTRA:
+            print(f"error: {script} imports {e.name!r}: pip install 'opentinker[upstream]'", file=sys.stderr)
+        raise
     return 0
 
 

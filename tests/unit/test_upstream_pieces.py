@@ -267,3 +267,13 @@ def test_a_served_game_records_its_episodes_for_the_stats_client():
     assert (s["total_samples"], s["games_in_step"], s["mean_final_reward"], s["mean_game_steps"]) == (1, 1, -20.0, 3)
     assert (s["total_losses"], s["cumulative_win_rate"], s["loss_rate"]) == (1, 0.0, 1.0)
     stats.reset_all()
+
+
+def test_upstream_reports_a_scripts_missing_import_as_the_script_would(tmp_path):
+    (tmp_path / "own.py").write_text("import my_own_missing_module\n")
+    r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "own.py")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "No module named 'my_own_missing_module'" in r.stderr
+    assert "extra of opentinker" not in r.stderr and "opentinker[upstream]" not in r.stderr
+    (tmp_path / "hy.py").write_text("raise ModuleNotFoundError(\"No module named 'hydra'\", name='hydra')\n")
+    r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "hy.py")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "imports 'hydra': pip install 'opentinker[upstream]'" in r.stderr, r.stderr
