@@ -41,6 +41,17 @@ def cmd_episodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sql(fn, *args):
+    """`fn(*args)`, with bad SQL (DuckDB's parser, binder or catalog error) ending the
+    command with DuckDB's message rather than a traceback."""
+    import duckdb
+
+    try:
+        return fn(*args)
+    except duckdb.Error as e:
+        raise SystemExit(f"bad SQL: {e}") from None
+
+
 def cmd_query(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -56,7 +67,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         sql = EXAMPLES[args.example].format(job=job_arg(args.job))
     elif not sql:
         raise SystemExit("give SQL, or --example NAME --job JOB")
-    cols, rows = run_query(sql, root)
+    cols, rows = _sql(run_query, sql, root)
     t = Table(*cols)
     for r in rows:
         t.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r))
@@ -69,7 +80,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from opentinker.services.core.logdb import export_query
 
     root = data_dir(args)
-    n = export_query(args.sql, root, args.out)
+    n = _sql(export_query, args.sql, root, args.out)
     print(f"{n} rows -> {args.out}")
     return 0
 

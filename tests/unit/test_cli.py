@@ -22,3 +22,11 @@ def test_a_bad_set_override_is_named():
 
     with pytest.raises(SystemExit, match="--set 'steps': expected KEY=VALUE"):
         load_job_config(str(Path(__file__).resolve().parents[2] / "examples" / "arith_grpo.toml"), ["steps"])
+
+
+@pytest.mark.parametrize("cmd", [["query", "SELECT attempt FROM trajectories"],
+                                 ["export", "SELEC 1", "--out", "x.jsonl"]])
+def test_bad_sql_ends_with_duckdbs_message_not_a_traceback(tmp_path, cmd):
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--data-dir", str(tmp_path)])
+    assert str(e.value).startswith("bad SQL: ") and ("attempt" in str(e.value) or "SELEC" in str(e.value)), e.value
