@@ -49,6 +49,20 @@ def cmd_envhost(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    from opentinker.services.envhost.sandbox import SandboxLimits
+    from opentinker.services.envhost.sandbox_server import check_loopback, serve
+
+    try:
+        host = check_loopback(args.host)
+        limits = SandboxLimits(timeout_s=args.timeout_s, memory_mb=args.memory_mb)
+    except ValueError as e:
+        raise SystemExit(f"opentinker sandbox: {e}") from None
+    print(f"sandbox on http://{host}:{args.port}/run_code (SandboxFusion's contract; Ctrl-C stops it)", flush=True)
+    serve(host, args.port, limits)
+    return 0
+
+
 def cmd_serve_model(args: argparse.Namespace) -> int:
     from opentinker.ops.serve_model import main
 
@@ -100,6 +114,14 @@ def register(sub) -> None:
                                            "(OpenAI API, vLLM)", add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_serve_model)
+
+    s = sub.add_parser("sandbox", help="serve a Python sandbox on loopback for envs on your machine "
+                                       "(SandboxFusion's /run_code, as upstream's CodeInterpreterMathGame calls)")
+    s.add_argument("--host", default="127.0.0.1", help="a loopback address (no authentication)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--timeout-s", type=float, default=10.0, help="wall clock per run")
+    s.add_argument("--memory-mb", type=int, default=1024, help="address space per process")
+    s.set_defaults(fn=cmd_sandbox)
 
     s = sub.add_parser("data", help="prepare a dataset")
     s.add_argument("dataset", choices=["gsm8k"])

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,38 @@ async def test_upstreams_gomoku_script_trains_on_its_game_unchanged(world, tmp_p
         assert turns and turns[0] >= 1.0, turns
     finally:
         await gina.close()
+
+
+async def test_upstreams_math_tool_script_runs_code_in_the_users_sandbox(world, tmp_path):
+    """math_tool_rl.py and its YAML: CodeInterpreterMathGame on the rows, its Python run
+    by `opentinker sandbox` on this machine (the sandbox URL given to the game as the
+    job's env_args, as any game kwarg can be)."""
+    key = await make_user(world.api, "hana")
+    root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sandbox = subprocess.Popen([str(Path(sys.executable).parent / "opentinker"), "sandbox", "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NATS_URL": world.server.url,
+           "OPENTINKER_API_KEY": key, "OPENTINKER_HOME": os.environ.get("OPENTINKER_HOME", str(tmp_path / "h")),
+           "TMPDIR": os.environ.get("TMPDIR", "/tmp"), "HYDRA_FULL_ERROR": "1"}
+    try:
+        r = await asyncio.to_thread(
+            _run, root, env, "math_tool_rl.py", f"scheduler_url={world.api_url}", "scheduler_api_key=null",
+            f"tokenizer_path={world.tiny_model}", "data_path=data/math/train.parquet", "val_data_path=null",
+            "batch_size=2", "rollout_n=2", "num_steps=1", "max_new_tokens=24", "max_prompt_tokens=400",
+            "multi_turn.max_tokens_per_turn=8", "logger_backends=[console]", "experiment_name=upstream-tool",
+            f"+job_spec.env_args.sandbox_url='http://127.0.0.1:{port}/run_code'")
+    finally:
+        sandbox.terminate()
+        sandbox.wait(10)
+    assert r.returncode == 0, r.stderr[-4000:]
+    job_id = re.search(r"✓ Job (\S+) allocated at", r.stdout).group(1)
+    hana = await Client.connect(world.server.url, api_key=key, api_url=world.api_url)
+    try:
+        rec = await hana.job(job_id).record()
+        assert (rec.state.value, rec.spec.env) == ("completed", "math_code_interpreter"), rec
+        assert rec.spec.env_args == {"sandbox_url": f"http://127.0.0.1:{port}/run_code"}
+    finally:
+        await hana.close()
