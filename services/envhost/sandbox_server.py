@@ -17,7 +17,9 @@ another language, is refused with 422 naming the field. At most one run per core
 time; the others wait.
 
 It has no authentication, so it listens on a loopback address only (the caller's
-game runs on the same machine); any other host is refused.
+game runs on the same machine); any other host is refused. A request naming another
+Host (a web page's DNS rebinding) gets 400, and a body not sent as JSON is not read as
+one (FastAPI), so a page in the user's browser cannot submit code either.
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ def check_loopback(host: str) -> str:
 def make_app(limits: SandboxLimits = SandboxLimits()) -> Any:
     """The FastAPI app. Raises SandboxUnavailable when bwrap cannot make a sandbox here."""
     from fastapi import FastAPI, HTTPException
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
 
     check()
     slots = threading.BoundedSemaphore(os.cpu_count() or 1)
     app = FastAPI(title="OpenTinker sandbox", description=__doc__)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "[::1]", "::1"])
 
     @app.get("/health")
     def health() -> dict[str, str]:

@@ -38,6 +38,11 @@ async def test_run_code_speaks_sandboxfusions_contract(sandbox_url):
         t0 = time.monotonic()
         r = (await c.post(sandbox_url, json={"code": "while True: pass", "run_timeout": 1})).json()
         assert r["run_result"]["status"] == "TimeLimitExceeded" and time.monotonic() - t0 < 4, r
+        # a web page in the user's browser: another Host (DNS rebinding), or a form post
+        r = await c.post(sandbox_url, json={"code": "print(1)"}, headers={"Host": "evil.example"})
+        assert r.status_code == 400, r.text
+        r = await c.post(sandbox_url, content='{"code": "print(1)"}', headers={"Content-Type": "text/plain"})
+        assert r.status_code == 422, r.text
         for body, field in (({"code": "x", "language": "bash"}, "language"),
                             ({"code": "x" * 100_001}, "code"), ({"code": "x", "run_timeout": -1}, "run_timeout")):
             r = await c.post(sandbox_url, json=body)
