@@ -60,6 +60,14 @@ def _checkout(root: Path) -> Path:
     return root
 
 
+def _user_env(world, key: str, home: Path) -> dict[str, str]:
+    """A tenant's environment: the key travels here, never on a command line; the YAML's
+    own example key is overridden with null so the client takes $OPENTINKER_API_KEY."""
+    return {"PATH": os.environ["PATH"], "HOME": str(home), "NATS_URL": world.server.url, "OPENTINKER_API_KEY": key,
+            "OPENTINKER_HOME": os.environ.get("OPENTINKER_HOME", str(home / "h")),
+            "TMPDIR": os.environ.get("TMPDIR", "/tmp"), "HYDRA_FULL_ERROR": "1"}
+
+
 def _run(root: Path, env: dict, script: str, *overrides: str) -> subprocess.CompletedProcess:
     r = subprocess.run([str(Path(sys.executable).parent / "opentinker"), "upstream", f"opentinker/client/{script}",
                         *overrides],
@@ -71,11 +79,7 @@ def _run(root: Path, env: dict, script: str, *overrides: str) -> subprocess.Comp
 async def test_upstreams_math_scripts_train_and_infer_unchanged(world, tmp_path):
     key = await make_user(world.api, "erin")
     root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
-    # the key travels in the environment, never on a command line; the YAML's own example
-    # key is overridden with null so the client takes $OPENTINKER_API_KEY
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NATS_URL": world.server.url,
-           "OPENTINKER_API_KEY": key, "OPENTINKER_HOME": os.environ.get("OPENTINKER_HOME", str(tmp_path / "h")),
-           "TMPDIR": os.environ.get("TMPDIR", "/tmp"), "HYDRA_FULL_ERROR": "1"}
+    env = _user_env(world, key, tmp_path)
     common = [f"scheduler_url={world.api_url}", "scheduler_api_key=null", f"tokenizer_path={world.tiny_model}"]
     r = await asyncio.to_thread(
         _run, root, env, "math_rl.py", *common, "data_path=data/math/train.parquet",
@@ -118,9 +122,7 @@ async def test_upstreams_gomoku_script_trains_on_its_game_unchanged(world, tmp_p
     counted from the games served in its own process."""
     key = await make_user(world.api, "gina")
     root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NATS_URL": world.server.url,
-           "OPENTINKER_API_KEY": key, "OPENTINKER_HOME": os.environ.get("OPENTINKER_HOME", str(tmp_path / "h")),
-           "TMPDIR": os.environ.get("TMPDIR", "/tmp"), "HYDRA_FULL_ERROR": "1"}
+    env = _user_env(world, key, tmp_path)
     r = await asyncio.to_thread(
         _run, root, env, "gomoku_rl.py", f"scheduler_url={world.api_url}", "scheduler_api_key=null",
         f"tokenizer_path={world.tiny_model}", "batch_size=2", "rollout_n=2", "num_steps=1", "test_freq=1",
@@ -152,9 +154,7 @@ async def test_upstreams_math_tool_script_runs_code_in_the_users_sandbox(world, 
         port = s.getsockname()[1]
     sandbox = subprocess.Popen([str(Path(sys.executable).parent / "opentinker"), "sandbox", "--port", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NATS_URL": world.server.url,
-           "OPENTINKER_API_KEY": key, "OPENTINKER_HOME": os.environ.get("OPENTINKER_HOME", str(tmp_path / "h")),
-           "TMPDIR": os.environ.get("TMPDIR", "/tmp"), "HYDRA_FULL_ERROR": "1"}
+    env = _user_env(world, key, tmp_path)
     try:
         r = await asyncio.to_thread(
             _run, root, env, "math_tool_rl.py", f"scheduler_url={world.api_url}", "scheduler_api_key=null",
