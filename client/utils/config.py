@@ -84,8 +84,8 @@ IGNORED = {
                                "env_endpoint", "vllm_server_url", "max_context_length", "max_model_len",
                                "trust_remote_code", "max_tokens_per_turn")},
 }
-_INTERACTION_CONFIG = ("the game runs in this process (GameEnvironment.serve), so there is no env "
-                       "server to configure; game kwargs go in GameEnvironment(game_kwargs=...)")
+_INTERACTION_CONFIG = ("not sent with the job: the game runs in this process (GameEnvironment.serve), so "
+                       "there is no env server; what your script reads from it (game_kwargs) still applies")
 
 
 class ConfigError(ValueError):
