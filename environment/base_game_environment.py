@@ -16,7 +16,8 @@ this user naming the env (`interaction_name`) runs its episodes against it.
   rows (the train rows when there are none) for any other split. The episode's system
   prompt and first user message are the row's prompt (the game's system prompt unless
   the row has one), and `reset` gets the row's `ground_truth`, `extra_info` and
-  `data_source`, as upstream's math env passes them.
+  `data_source`, as upstream's math env passes them. A row's `images` (a vision-language
+  dataset such as upstream's Geo3K) are the episode's initial images.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def bind_game(game_class: type[AbstractGame], game_kwargs: dict[str, Any] | None
         def reset(self, **state: Any) -> str:
             s = sample(state)
             self._ot_system = next((m["content"] for m in s["prompt"] if m["role"] == "system"), None)
+            self._ot_images = s.get("images") or []
             rest = {k: v for k, v in state.items() if k not in (ROW, SPLIT)}
             return game_class.reset(self, **{**s["env_kwargs"], **rest})
 
@@ -102,8 +104,11 @@ def bind_game(game_class: type[AbstractGame], game_kwargs: dict[str, Any] | None
             system = getattr(self, "_ot_system", None)
             return system if system is not None else game_class.get_system_prompt(self)
 
+        def get_initial_images(self) -> list[Any]:
+            return getattr(self, "_ot_images", None) or game_class.get_initial_images(self)
+
         attrs.update(generate_initial_state=generate_initial_state, reset=reset, get_system_prompt=get_system_prompt,
-                     get_user_message_with_state=get_user_message_with_state)
+                     get_user_message_with_state=get_user_message_with_state, get_initial_images=get_initial_images)
     served = type(game_class.__name__, (game_class,), attrs)
     return _recording(served, stats_job) if stats_job else served
 

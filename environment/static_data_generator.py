@@ -9,6 +9,12 @@ and `env_kwargs` for the game's `reset(**env_kwargs)`: `ground_truth` (the row's
 `extra_info` (whole) and `data_source` (the row's, else the interaction name). The same
 rules here; the file is read on this machine and stays there.
 
+A vision-language row (upstream's Geo3K data) also has `images`: a list of images as
+Hugging Face datasets stores them ({"bytes": ..., "path": ...}), file bytes, or paths.
+They become the sample's "images" (bytes, or the path when there are none), shown
+before the first user message's text (environment/base_game.py), so the `<image>`
+placeholders upstream puts in the prompt text are taken out of it.
+
 Parquet needs pyarrow (`pip install pyarrow`), imported only when a .parquet file is read.
 """
 
@@ -20,6 +26,20 @@ from pathlib import Path
 from typing import Any
 
 SAMPLE_KEYS = ("prompt", "env_kwargs", "data_source")
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def row_images(value: Any) -> list[Any]:
+    """A row's `images` as bytes (or paths): [] for none. Raises ValueError naming what
+    an entry is when it is no image."""
+    out = []
+    for i, img in enumerate(value or []):
+        if isinstance(img, dict):
+            img = img.get("bytes") or img.get("path")
+        if not isinstance(img, (bytes, bytearray, str, Path)) or not img:
+            raise ValueError(f"images[{i}]: {type(img).__name__} is no image (bytes, a path, or {{'bytes': ...}})")
+        out.append(bytes(img) if isinstance(img, bytearray) else img)
+    return out
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -54,13 +74,17 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 def sample_from_row(row: dict[str, Any], interaction_name: str, system_prompt: str | None = None,
                     prompt_key: str = "prompt", ground_truth_key: str | None = "ground_truth",
                     data_source_key: str | None = "data_source",
-                    extra_keys: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+                    extra_keys: tuple[str, ...] | list[str] = (), image_key: str = "images") -> dict[str, Any]:
     """One row as upstream's sample: {"prompt": [messages], "env_kwargs": {...},
-    "data_source": str} (rules in the module docstring)."""
+    "data_source": str}, and "images" when the row has some (rules in the module
+    docstring). Raises ValueError for an `images` entry that is no image."""
     prompt = row.get(prompt_key) or []
     if not isinstance(prompt, list):
         prompt = [{"role": "user", "content": str(prompt)}]
+    images = row_images(row.get(image_key)) if image_key else []
     prompt = [{"role": str(m.get("role", "user")), "content": str(m.get("content") or "")} for m in prompt]
+    if images:
+        prompt = [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, "").strip()} for m in prompt]
     if system_prompt and (not prompt or prompt[0]["role"] != "system"):
         prompt = [{"role": "system", "content": system_prompt}] + prompt
     env_kwargs: dict[str, Any] = {}
@@ -76,7 +100,10 @@ def sample_from_row(row: dict[str, Any], interaction_name: str, system_prompt: s
         env_kwargs["extra_info"] = row["extra_info"]
     data_source = row.get(data_source_key) if data_source_key and row.get(data_source_key) else interaction_name
     env_kwargs["data_source"] = data_source
-    return {"prompt": prompt, "env_kwargs": env_kwargs, "data_source": data_source}
+    sample = {"prompt": prompt, "env_kwargs": env_kwargs, "data_source": data_source}
+    if images:
+        sample["images"] = images
+    return sample
 
 
 class StaticDatasetGenerator:

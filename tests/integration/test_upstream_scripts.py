@@ -19,6 +19,7 @@ import pytest
 
 from opentinker.sdk.client import Client
 from tests.fixtures.gsm8k_data import SAMPLE as GSM8K
+from tests.fixtures.upstream_data import geo3k_rows
 from tests.tenants import make_user
 
 pytestmark = pytest.mark.timeout(900)
@@ -174,3 +175,36 @@ async def test_upstreams_math_tool_script_runs_code_in_the_users_sandbox(world, 
         assert rec.spec.env_args == {"sandbox_url": f"http://127.0.0.1:{port}/run_code"}
     finally:
         await hana.close()
+
+
+async def test_upstreams_geo3k_script_trains_a_vision_language_model_on_its_rows(world, tmp_path, tiny_vlm):
+    """geo3k_rl.py and geo3k_param.yaml (its wandb_key nulled) on Parquet rows in
+    upstream's Geo3K columns (the shipped diagrams as `images`), a tiny LLaVA: each
+    episode is shown its row's diagram, logged by hash."""
+    from opentinker.services.core.logdb import run_query
+
+    key = await make_user(world.api, "iris")
+    root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
+    (root / "data" / "geo3k").mkdir(parents=True)
+    await asyncio.to_thread(geo3k_rows, root / "data" / "geo3k" / "train.parquet", 4)
+    r = await asyncio.to_thread(
+        _run, root, _user_env(world, key, tmp_path), "geo3k_rl.py", f"scheduler_url={world.api_url}",
+        "scheduler_api_key=null", f"tokenizer_path={tiny_vlm}", "val_data_path=null", "batch_size=2",
+        "rollout_n=2", "num_steps=1", "max_new_tokens=6", "max_prompt_tokens=900",
+        "multi_turn.max_tokens_per_turn=6", "logger_backends=[console]", "experiment_name=upstream-geo3k")
+    assert r.returncode == 0, r.stderr[-4000:]
+    job_id = re.search(r"✓ Job (\S+) allocated at", r.stdout).group(1)
+    iris = await Client.connect(world.server.url, api_key=key, api_url=world.api_url)
+    try:
+        rec = await iris.job(job_id).record()
+        assert (rec.state.value, rec.spec.env, rec.spec.model) == ("completed", "geo3k", tiny_vlm), rec
+    finally:
+        await iris.close()
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:  # the recorder writes the log a moment after the job ends
+        _, rows = run_query(f"SELECT count(*), min(len(image_sha256)) FROM trajectories WHERE job_id = '{job_id}' "
+                            "AND split = 'train'", str(world.data_dir))
+        if rows[0][0] >= 4 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(1)
+    assert rows[0] == (4, 1), rows

@@ -78,6 +78,7 @@ def test_sdk_import_pulls_no_server_extra():
             " opentinker.schemas, opentinker.client.utils.http_training_client,"
             " opentinker.environment.base_game_environment, opentinker.environment.inference_pipeline,"
             " opentinker.environment.math.math_env, opentinker.environment.game_stats_client,"
+            " opentinker.environment.math.math_tool_env, opentinker.environment.gomoku, opentinker.environment.geo3k,"
             " opentinker.client.utils.utils, opentinker.client.utils.scheduler_client_lifecycle,"
             " opentinker.client.run_script;"
             f" print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))")

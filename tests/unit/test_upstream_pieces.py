@@ -16,6 +16,7 @@ from opentinker.environment.game_stats_client import GameStatsClient, record_epi
 from opentinker.environment.math import MathGame
 from opentinker.environment.math import math_game
 from opentinker.environment.math.math_env import MathGameEnvironment
+from tests.fixtures.upstream_data import geo3k_rows
 
 OPENTINKER = str(Path(sys.executable).parent / "opentinker")
 
@@ -277,3 +278,23 @@ def test_upstream_reports_a_scripts_missing_import_as_the_script_would(tmp_path)
     (tmp_path / "hy.py").write_text("raise ModuleNotFoundError(\"No module named 'hydra'\", name='hydra')\n")
     r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "hy.py")], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "imports 'hydra': pip install 'opentinker[upstream]'" in r.stderr, r.stderr
+
+
+def test_geo3k_rows_carry_their_images_into_the_episode(tmp_path):
+    from opentinker.environment.base_game import opening
+    from opentinker.environment.geo3k import Geo3KGame, Geo3KGameEnvironment
+
+    pngs = geo3k_rows(tmp_path / "train.parquet", 3)
+    env = Geo3KGameEnvironment({"batch_size": 2}, [str(tmp_path / "train.parquet")], job_id="geo")
+    assert env.interaction_name == "geo3k" and env.steps_per_epoch == 1 and env.game_class is Geo3KGame
+    game = env.served_class()
+    state = game.generate_initial_state(1, "train")
+    system, user = opening(game, state)
+    assert (system, user) == ("", "Find x in figure 1. Put it in \\boxed{}.")  # no system prompt, no placeholder
+    assert game.get_initial_images() == [pngs[1]]
+    r = game.step("so x = \\boxed{3}")
+    assert (r.reward, r.done, r.info["index"], r.info["data_source"]) == (1.0, True, 1, "hiyouga/geometry3k")
+    from opentinker.environment.static_data_generator import row_images
+
+    with pytest.raises(ValueError, match=r"images\[0\]: int is no image"):
+        row_images([7])
