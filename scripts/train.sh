@@ -11,5 +11,8 @@ CONFIG="${1:-examples/arith_grpo.toml}"
 JOB="arith-$(date +%Y%m%d-%H%M%S)"
 .venv/bin/opentinker models prepare
 .venv/bin/opentinker train "$CONFIG" --up --job-id "$JOB"
+# the episodes each step trained on (`steps`): after a resume, a redone step's are the
+# resumed run's only, not the lost run's as well (docs/observability.md)
 .venv/bin/opentinker query "SELECT step, round(avg(reward), 3) AS mean_reward, count(*) AS episodes
-  FROM trajectories WHERE job_id = '$JOB' AND split = 'train' GROUP BY step ORDER BY step"
+  FROM trajectories JOIN steps USING (job_id, step, request_id)
+  WHERE job_id = '$JOB' AND split = 'train' GROUP BY step ORDER BY step"
