@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.environment.base_game_environment import GameEnvironment
+from opentinker.environment.math.math_env import MathGameEnvironment
 from opentinker.environment.math.math_game import MathGame
 
 
@@ -35,19 +35,14 @@ class Geo3KGame(MathGame):
         return "geo3k"
 
 
-class Geo3KGameEnvironment(GameEnvironment):
+class Geo3KGameEnvironment(MathGameEnvironment):
     """Upstream's `Geo3KGameEnvironment(config, data_paths, val_data_paths=None,
-    job_id=None)`: Geo3KGame on Parquet rows with `images`. Raises as GameEnvironment."""
+    job_id=None)`: Geo3KGame on Parquet rows with `images`. Raises as
+    MathGameEnvironment."""
 
     def __init__(self, config: Any, data_paths: str | list[str], val_data_paths: str | list[str] | None = None,
                  job_id: str | None = None):
-        self.data_paths = [data_paths] if isinstance(data_paths, str) else list(data_paths or [])
-        self.val_data_paths = ([val_data_paths] if isinstance(val_data_paths, str)
-                               else (list(val_data_paths) if val_data_paths else None))
-        if not [p for p in self.data_paths if p]:
-            raise ValueError("data_paths: Geo3K needs its training data (Parquet rows with images)")
-        super().__init__(Geo3KGame, config, game_kwargs={}, job_id=job_id, data_paths=self.data_paths,
-                         val_data_paths=self.val_data_paths)
+        super().__init__(Geo3KGame, config, data_paths, val_data_paths, job_id=job_id)
 
 
 __all__ = ["Geo3KGame", "Geo3KGameEnvironment"]

@@ -30,6 +30,6 @@ class MathGameEnvironment(GameEnvironment):
         self.val_data_paths = ([val_data_paths] if isinstance(val_data_paths, str)
                                else (list(val_data_paths) if val_data_paths else None))
         if not [p for p in self.data_paths if p]:
-            raise ValueError("data_paths: a math environment needs its training data (Parquet or JSON lines)")
+            raise ValueError(f"data_paths: {type(self).__name__} needs its training data (Parquet or JSON lines)")
         super().__init__(game_class, config, game_kwargs=game_kwargs, job_id=job_id,
                          data_paths=self.data_paths, val_data_paths=self.val_data_paths)
