@@ -130,6 +130,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run_client(args, _train)
 
 
+def cmd_upstream(args: argparse.Namespace) -> int:
+    from opentinker.client.run_script import main
+
+    return main(args.rest)
+
+
 def register(sub) -> None:
     s = sub.add_parser("train", help="submit a job from a TOML file and follow it (several: a pipeline)")
     s.add_argument("config", nargs="+", help="job config(s); each after the first starts from the one before")
@@ -144,4 +150,4 @@ def register(sub) -> None:
     s = sub.add_parser("upstream", help="run one of upstream OpenTinker's client scripts unchanged "
                                         "(math_rl.py, math_inference.py, ...): SCRIPT [hydra overrides]")
     s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(fn=lambda args: __import__("opentinker.client.run_script", fromlist=["main"]).main(args.rest))
+    s.set_defaults(fn=cmd_upstream)

@@ -110,22 +110,21 @@ class Stack:
         hosts = [o.partition("=")[2] for o in overrides if o.startswith(f"{prefix}_host=")]
         host = hosts[-1] if hosts else os.environ.get(f"OPENTINKER_{prefix.upper()}_HOST") or "127.0.0.1"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        for port in (preferred, 0):
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
             try:
-                sock.bind((host, port))
-            except OSError:
-                sock.close()
-                if port == 0:
-                    raise
-                continue
-            sock.listen(1024)
-            sock.set_inheritable(True)
-            self.sockets[service] = sock
-            overrides += [f"{prefix}_port={sock.getsockname()[1]}", f"{prefix}_fd={sock.fileno()}"]
-            return sock
-        return None
+                sock.bind((host, preferred))
+            except OSError:  # taken: any free port (a failed bind leaves the socket unbound)
+                sock.bind((host, 0))
+        except OSError:
+            sock.close()
+            raise
+        sock.listen(1024)
+        sock.set_inheritable(True)
+        self.sockets[service] = sock
+        overrides += [f"{prefix}_port={sock.getsockname()[1]}", f"{prefix}_fd={sock.fileno()}"]
+        return sock
 
     def admin_key_file(self) -> Path:
         """`<home>/admin.key`, made (random, 0600) if missing."""

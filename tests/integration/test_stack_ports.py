@@ -7,11 +7,12 @@ import asyncio
 import socket
 
 import httpx
-import psutil
 import pytest
 
 from opentinker.ops.stack import Stack
 from opentinker.services.core.http import serve_http
+
+from conftest import listeners
 from tenants import wait_http_ok
 
 pytestmark = pytest.mark.timeout(300)
@@ -75,8 +76,7 @@ async def test_up_serves_the_apis_on_the_sockets_it_bound(tmp_path):
         assert stack.tinker_url == f"http://127.0.0.1:{held['tinker']}"
         await _answers(stack, stack.api_url + "v1/health", stack.tinker_url + "/api/v1/healthz")
         for name, port in held.items():  # the service listens on exactly that port, and on loopback only
-            ports = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(stack.procs[name].pid).net_connections("inet")
-                     if c.status == psutil.CONN_LISTEN}
+            ports = {(ip, p) for _, ip, p, _ in listeners(stack.procs[name].pid)}
             assert ("127.0.0.1", port) in ports, (name, ports)
         # a service restarted (`opentinker up` restarts one that exits) serves on the same socket
         old = stack.procs["scheduler"]
