@@ -15,6 +15,9 @@ only when asked for):
     inference_pipeline.py     run_inference: a game against an OpenAI-compatible endpoint
     static_data_generator.py  dataset rows (Parquet, JSON(L)) as prompts and reset kwargs
     math/                     MathGame, MathGameEnvironment: upstream's math game on a dataset
+                              (and CodeInterpreterMathGame, with a Python sandbox)
+    gomoku/, geo3k/           upstream's Gomoku, and Geo3K for vision-language models
+    vl_game_environment.py    VLGameEnvironment: a game on dataset rows with images
     game_stats_client.py      GameStatsClient: per-job game statistics, kept in this process
 
 Imports only the standard library: part of the client install, so an environment is

@@ -160,7 +160,8 @@ class GameEnvironment:
     Args: `game_class` (an AbstractGame subclass), `config` (upstream's client config:
     dict, DictConfig or namespace), `game_kwargs` (the game's constructor kwargs),
     `reward_function` (must be None: the reward is the game's `step()`), `job_id`,
-    `data_paths` / `val_data_paths` (else the config's `data_path` / `val_data_path`).
+    `data_paths` / `val_data_paths` (else the config's `data_path` / `val_data_path`),
+    `image_key` (the rows' column of images, for a vision-language model).
 
     Raises ValueError for a reward function or a dataset row this env cannot open an
     episode with, ImportError naming pyarrow for Parquet without it.
@@ -168,7 +169,8 @@ class GameEnvironment:
 
     def __init__(self, game_class: type[AbstractGame], config: Any, game_kwargs: dict[str, Any] | None = None,
                  reward_function: Any = None, job_id: str | None = None, *,
-                 data_paths: str | list[str] | None = None, val_data_paths: str | list[str] | None = None):
+                 data_paths: str | list[str] | None = None, val_data_paths: str | list[str] | None = None,
+                 image_key: str = "images"):
         from opentinker.client.utils.config import env_name
 
         if reward_function is not None:
@@ -177,6 +179,7 @@ class GameEnvironment:
         self.config = config
         self.game_kwargs = dict(game_kwargs or {})
         self.reward_function = None
+        self.image_key = image_key
         cfg = _cfg(config)
         self._game_instance = game_class(**self.game_kwargs)
         name = (cfg.get("interaction") or {}).get("name") or self._game_instance.get_interaction_name()
@@ -208,7 +211,7 @@ class GameEnvironment:
         out = []
         for path in paths:
             for i, row in enumerate(read_rows(path)):
-                s = sample_from_row(row, self.interaction_name, system)
+                s = sample_from_row(row, self.interaction_name, system, image_key=self.image_key)
                 _user_text(s["prompt"], f"{path} row {i}")
                 out.append(s)
         if not out:

@@ -25,11 +25,11 @@ class MathGameEnvironment(GameEnvironment):
 
     def __init__(self, game_class: type[AbstractGame], config: Any, data_paths: str | list[str],
                  val_data_paths: str | list[str] | None = None, game_kwargs: dict[str, Any] | None = None,
-                 job_id: str | None = None):
+                 job_id: str | None = None, *, image_key: str = "images"):
         self.data_paths = [data_paths] if isinstance(data_paths, str) else list(data_paths or [])
         self.val_data_paths = ([val_data_paths] if isinstance(val_data_paths, str)
                                else (list(val_data_paths) if val_data_paths else None))
         if not [p for p in self.data_paths if p]:
             raise ValueError(f"data_paths: {type(self).__name__} needs its training data (Parquet or JSON lines)")
         super().__init__(game_class, config, game_kwargs=game_kwargs, job_id=job_id,
-                         data_paths=self.data_paths, val_data_paths=self.val_data_paths)
+                         data_paths=self.data_paths, val_data_paths=self.val_data_paths, image_key=image_key)

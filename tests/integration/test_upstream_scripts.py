@@ -77,6 +77,20 @@ def _run(root: Path, env: dict, script: str, *overrides: str) -> subprocess.Comp
     return r
 
 
+async def _logged(world, job_id: str, n: int, columns: str) -> list[tuple]:
+    """`columns` of the job's train episodes in the trajectory log, once `n` are there
+    (the recorder writes the log a moment after the job ends; 60 s at most)."""
+    from opentinker.services.core.logdb import run_query
+
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        _, rows = run_query(f"SELECT {columns} FROM trajectories WHERE job_id = '{job_id}' AND split = 'train' "
+                            "ORDER BY episode_id", str(world.data_dir))
+        if len(rows) >= n or asyncio.get_running_loop().time() > deadline:
+            return rows
+        await asyncio.sleep(1)
+
+
 async def test_upstreams_math_scripts_train_and_infer_unchanged(world, tmp_path):
     key = await make_user(world.api, "erin")
     root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
@@ -181,8 +195,6 @@ async def test_upstreams_geo3k_script_trains_a_vision_language_model_on_its_rows
     """geo3k_rl.py and geo3k_param.yaml (its wandb_key nulled) on Parquet rows in
     upstream's Geo3K columns (the shipped diagrams as `images`), a tiny LLaVA: each
     episode is shown its row's diagram, logged by hash."""
-    from opentinker.services.core.logdb import run_query
-
     key = await make_user(world.api, "iris")
     root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
     (root / "data" / "geo3k").mkdir(parents=True)
@@ -200,11 +212,64 @@ async def test_upstreams_geo3k_script_trains_a_vision_language_model_on_its_rows
         assert (rec.state.value, rec.spec.env, rec.spec.model) == ("completed", "geo3k", tiny_vlm), rec
     finally:
         await iris.close()
-    deadline = asyncio.get_running_loop().time() + 60
-    while True:  # the recorder writes the log a moment after the job ends
-        _, rows = run_query(f"SELECT count(*), min(len(image_sha256)) FROM trajectories WHERE job_id = '{job_id}' "
-                            "AND split = 'train'", str(world.data_dir))
-        if rows[0][0] >= 4 or asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(1)
-    assert rows[0] == (4, 1), rows
+    rows = await _logged(world, job_id, 4, "len(image_sha256)")
+    assert rows == [(1,)] * 4, rows
+
+
+async def test_upstreams_geo3k_tool_script_gives_feedback_between_attempts(world, tmp_path, tiny_vlm):
+    """geo3k_tool_rl.py and geo3k_tool_param.yaml (its wandb_key nulled; it imports
+    opentinker.client.utils.* by absolute path): Geo3KToolEnvironment on the rows, so
+    each episode is up to max_assistant_turns - 1 boxed attempts with verl's feedback
+    between them, the figure shown in the first."""
+    key = await make_user(world.api, "jade")
+    root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
+    (root / "data" / "geo3k_multiturn").mkdir(parents=True)
+    await asyncio.to_thread(geo3k_rows, root / "data" / "geo3k_multiturn" / "train.parquet", 4)
+    r = await asyncio.to_thread(
+        _run, root, _user_env(world, key, tmp_path), "geo3k_tool_rl.py", f"scheduler_url={world.api_url}",
+        f"tokenizer_path={tiny_vlm}", "val_data_path=null", "batch_size=2", "rollout_n=2", "num_steps=1",
+        "max_new_tokens=24", "max_prompt_tokens=900", "multi_turn.max_assistant_turns=3",
+        "multi_turn.max_tokens_per_turn=6", "logger_backends=[console]", "experiment_name=upstream-geo3k-tool")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "Max retries: 2" in r.stdout
+    job_id = re.search(r"✓ Job (\S+) allocated at", r.stdout).group(1)
+    jade = await Client.connect(world.server.url, api_key=key, api_url=world.api_url)
+    try:
+        rec = await jade.job(job_id).record()
+        assert (rec.state.value, rec.spec.env, rec.spec.model) == ("completed", "geo3k_tool", tiny_vlm), rec
+        assert rec.spec.sampling.max_turns == 3, rec.spec.sampling
+    finally:
+        await jade.close()
+    rows = await _logged(world, job_id, 4, "num_turns, [t.observation FOR t IN turns], len(image_sha256)")
+    # a random model boxes nothing: two attempts, the first answered with verl's feedback
+    assert all(turns == 2 and images == 1 for turns, _, images in rows), rows
+    assert all(obs[0] == "Current parsed answer=(no boxed answer) reward=0.0" for _, obs, _ in rows), rows
+
+
+async def test_upstreams_inference_scripts_play_their_games_unchanged(world, tmp_path):
+    """gomoku_inference.py (games made by the game itself, no data) and
+    math_tool_inference.py (rows, CodeInterpreterMathGame at upstream's default
+    sandbox URL: with no sandbox there, each code block gets the error as its
+    observation), each against a served base model, with their YAML files."""
+    key = await make_user(world.api, "kate")
+    root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
+    env = _user_env(world, key, tmp_path)
+    common = [f"scheduler_url={world.api_url}", "scheduler_api_key=null", f"model_path={world.tiny_model}"]
+    r = await asyncio.to_thread(
+        _run, root, env, "gomoku_inference.py", *common, "output_path=gomoku.jsonl", "max_samples=2",
+        "max_new_tokens=24", "multi_turn.max_tokens_per_turn=8", "multi_turn.max_assistant_turns=3",
+        "board_size=7")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "Total samples: 2" in r.stdout, r.stdout[-3000:]
+    games = [json.loads(line) for line in (root / "gomoku.jsonl").read_text().splitlines()]
+    assert len(games) == 2 and all("on a 7x7 board" in g["messages"][0]["content"] for g in games), games[0]
+
+    r = await asyncio.to_thread(
+        _run, root, env, "math_tool_inference.py", *common, "data_path=data/math/test.parquet",
+        "output_path=tool.jsonl", "max_samples=2", "max_new_tokens=16", "max_tokens_per_turn=8")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "Total samples: 2" in r.stdout, r.stdout[-3000:]
+    rows = [json.loads(line) for line in (root / "tool.jsonl").read_text().splitlines()]
+    assert [row["ground_truth"] for row in rows] == [p["reward_model"]["ground_truth"] for p in
+                                                    _upstream_rows(GSM8K / "test.jsonl", 2, "test")]
+    assert all("using Python code" in row["messages"][0]["content"] for row in rows), rows[0]["messages"][0]

@@ -193,16 +193,16 @@ def test_upstream_binds_utils_to_this_package_over_the_scripts_own(tmp_path):
     assert r.returncode == 2 and "missing.py: no such script" in r.stderr
 
 
-def _upstream_gomoku():
-    """Upstream's own GomokuGame (tests/fixtures/upstream_client/environment, verbatim),
+def _upstream(module: str, cls: str):
+    """Upstream's own game class (tests/fixtures/upstream_client/environment, verbatim),
     importing this package's AbstractGame and StepResult as it would its own."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "fixtures" / "upstream_client" / "environment" / "gomoku_game.py"
-    spec = importlib.util.spec_from_file_location("upstream_gomoku_game", path)
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "upstream_client" / "environment" / f"{module}.py"
+    spec = importlib.util.spec_from_file_location(f"upstream_{module}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.GomokuGame
+    return getattr(mod, cls)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"board_size": 5, "win_length": 3, "max_total_steps": 12},
@@ -216,7 +216,7 @@ def test_gomoku_plays_exactly_as_upstreams(kwargs):
 
     from opentinker.environment.gomoku import GomokuGame
 
-    Upstream = _upstream_gomoku()
+    Upstream = _upstream("gomoku_game", "GomokuGame")
     for seed in range(30):
         ours, theirs = GomokuGame(**kwargs), Upstream(**kwargs)
         random.seed(seed)
@@ -298,3 +298,50 @@ def test_geo3k_rows_carry_their_images_into_the_episode(tmp_path):
 
     with pytest.raises(ValueError, match=r"images\[0\]: int is no image"):
         row_images([7])
+
+
+@pytest.mark.parametrize("max_retries", [1, 3])
+def test_geo3k_tool_game_answers_as_upstreams(max_retries):
+    """Same replies, same feedback: every observation, reward, done flag, info and state
+    of this Geo3KToolGame equals upstream's (its verl-less fallback: exact match), over
+    attempts that are wrong, unboxed, nested, repeated, right, and after the end."""
+    from opentinker.environment.geo3k import Geo3KToolGame
+
+    Upstream = _upstream("geo3k_tool_game", "Geo3KToolGame")
+    episodes = [("12", ["x is \\boxed{10}", "no box", "\\boxed{12}", "\\boxed{12}"]),
+                ("\\frac{8}{3}", ["\\boxed{\\frac{8}{3}} and \\boxed{3", "\\boxed{ \\frac{8}{3} }", "x"]),
+                ("5", ["\\boxed{4}", "\\boxed{4}", "\\boxed{4}", "\\boxed{5}"]),
+                ("7", ["\\boxed{7}", "\\boxed{7}"])]
+    for truth, replies in episodes:
+        ours, theirs = Geo3KToolGame(max_retries=max_retries), Upstream(max_retries=max_retries)
+        for method in ("get_system_prompt", "get_initial_user_message", "get_interaction_name",
+                       "generate_initial_state", "get_user_message_with_state"):
+            assert getattr(ours, method)() == getattr(theirs, method)()
+        kw = {"ground_truth": truth, "extra_info": {"index": 3}}
+        assert ours.reset(**kw) == theirs.reset(**kw)
+        for action in replies:
+            a, b = ours.step(action), theirs.step(action)
+            assert (a.observation, a.reward, a.done, a.info) == (b.observation, b.reward, b.done, b.info), action
+            assert ours.get_state() == theirs.get_state()
+
+
+def test_geo3k_tool_game_checks_the_boxed_answer_as_mathematics(tmp_path):
+    """Beyond upstream's exact-match fallback: "0.5" answers "\\frac{1}{2}"; an unboxed
+    right number is no answer; and Geo3KToolEnvironment serves it on rows with images."""
+    from opentinker.environment.geo3k import Geo3KToolEnvironment, Geo3KToolGame
+
+    game = Geo3KToolGame(max_retries=2)
+    game.reset(ground_truth="\\frac{1}{2}")
+    r = game.step("1/2")
+    assert (r.observation, r.reward, r.done) == ("Current parsed answer=(no boxed answer) reward=0.0", -0.05, False)
+    r = game.step("so \\boxed{0.5}")
+    assert (r.observation, r.reward, r.done, r.info["is_correct"]) == (
+        "Current parsed answer=0.5 reward=1.0", 1.0, True, True)
+    pngs = geo3k_rows(tmp_path / "train.parquet", 2)
+    env = Geo3KToolEnvironment({"batch_size": 2}, [str(tmp_path / "train.parquet")], job_id="geo-tool",
+                               max_retries=2)
+    assert (env.interaction_name, env.game_kwargs) == ("geo3k_tool", {"max_retries": 2})
+    served = env.served_class()
+    served.reset(**served.generate_initial_state(0, "train"))
+    assert served.get_initial_images() == [pngs[0]]
+    assert served.step("\\boxed{1}").reward == -0.05 and served.step("\\boxed{2}").reward == 1.0
