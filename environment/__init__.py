@@ -17,6 +17,7 @@ only when asked for):
     math/                     MathGame, MathGameEnvironment: upstream's math game on a dataset
                               (and CodeInterpreterMathGame, with a Python sandbox)
     gomoku/, geo3k/           upstream's Gomoku, and Geo3K for vision-language models
+    alfworld/                 upstream's ALFWorldGame (needs the alfworld package and games)
     vl_game_environment.py    VLGameEnvironment: a game on dataset rows with images
     game_stats_client.py      GameStatsClient: per-job game statistics, kept in this process
 

@@ -273,3 +273,34 @@ async def test_upstreams_inference_scripts_play_their_games_unchanged(world, tmp
     assert [row["ground_truth"] for row in rows] == [p["reward_model"]["ground_truth"] for p in
                                                     _upstream_rows(GSM8K / "test.jsonl", 2, "test")]
     assert all("using Python code" in row["messages"][0]["content"] for row in rows), rows[0]["messages"][0]
+
+
+async def test_upstreams_alfworld_script_trains_on_alfworld_games(world, tmp_path, tmp_path_factory):
+    """alfworld_rl.py and alfworld_param.yaml (its wandb_key nulled): upstream's
+    ALFWorldGame on ALFWorld games made offline (tests/fixtures/alfworld_games.py), in
+    the user's process with ALFWORLD_DATA set there: multi-turn episodes of commands,
+    and the script's closing statistics counted from them."""
+    from fixtures.alfworld_games import shared_alfworld_data
+
+    data = await asyncio.to_thread(shared_alfworld_data, tmp_path_factory)
+    key = await make_user(world.api, "lena")
+    root = await asyncio.to_thread(_checkout, tmp_path / "OpenTinker")
+    r = await asyncio.to_thread(
+        _run, root, {**_user_env(world, key, tmp_path), "ALFWORLD_DATA": str(data)}, "alfworld_rl.py",
+        f"scheduler_url={world.api_url}", "scheduler_api_key=null", f"tokenizer_path={world.tiny_model}",
+        "batch_size=2", "rollout_n=2", "num_steps=1", "test_freq=1", "val_batch_size=2", "max_new_tokens=24",
+        "max_prompt_tokens=600", "multi_turn.max_tokens_per_turn=8", "interaction.config.max_total_steps=3",
+        "logger_backends=[console]", "experiment_name=upstream-alfworld")
+    assert r.returncode == 0, r.stderr[-4000:]
+    job_id = re.search(r"✓ Job (\S+) allocated!", r.stdout).group(1)
+    episodes = int(re.search(r"Total episodes: (\d+)", r.stdout).group(1))
+    assert episodes >= 4, r.stdout[-3000:]  # 1 step of 2 groups of 2, and the evaluations
+    lena = await Client.connect(world.server.url, api_key=key, api_url=world.api_url)
+    try:
+        rec = await lena.job(job_id).record()
+        assert (rec.state.value, rec.spec.env, rec.spec.sampling.max_turns) == ("completed", "alfworld", 3), rec
+    finally:
+        await lena.close()
+    rows = await _logged(world, job_id, 4, "num_turns, [t.observation FOR t IN turns]")
+    assert len(rows) == 4 and all(1 <= n <= 3 for n, _ in rows), rows
+    assert all(o.startswith(("=== Current State ===", "TIMEOUT")) for _, obs in rows for o in obs if o), rows
