@@ -13,11 +13,16 @@ scripts usually sit) does not shadow this package. Hydra finds the script's `cli
 it as usual, and the arguments are hydra overrides. The scheduler URL and key: the
 config's `scheduler_url` / `scheduler_api_key`, else $OPENTINKER_API_URL /
 $OPENTINKER_API_KEY (docs/opentinker-client.md).
+
+Hydra sets the root logger to INFO, and httpx logs every request at INFO, so each of
+the client's status polls would print a line: httpx's logger is set to WARNING here
+unless something already set its level.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import runpy
 import sys
 from pathlib import Path
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {script}: no such script", file=sys.stderr)
         return 2
     bind_utils()
+    if logging.getLogger("httpx").level == logging.NOTSET:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     sys.argv = [str(script), *args[1:]]
     sys.path.insert(0, str(script.resolve().parent))
     try:

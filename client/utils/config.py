@@ -217,8 +217,11 @@ def job_spec_from_config(config: Any, env: str | None = None) -> MappedConfig:
             put(key, value, f"job_spec.{key}")
     if sampling:
         d["sampling"] = sampling
+    by_reason: dict[str, list[str]] = {}
     for key, reason in ignored.items():
-        log.info("config `%s` not used: %s", key, reason)
+        by_reason.setdefault(reason, []).append(f"`{key}`")
+    for reason, keys in by_reason.items():
+        log.info("config %s not used: %s", ", ".join(keys), reason)
     try:
         return MappedConfig(spec_from_dict(d), ignored)
     except SpecError as e:

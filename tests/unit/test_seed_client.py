@@ -66,8 +66,12 @@ def test_upstream_math_config_maps_each_key_to_its_job_spec_field():
         assert ignored[key], key
 
 
-def test_gomoku_turns_and_per_step_advantage():
-    spec, ignored = job_spec_from_config(GOMOKU)
+def test_gomoku_turns_and_per_step_advantage(caplog):
+    with caplog.at_level("INFO", logger="opentinker.client"):
+        spec, ignored = job_spec_from_config(GOMOKU)
+    # one line a reason: the env server's keys together
+    lines = [r.getMessage() for r in caplog.records if "interaction.config.board_size" in r.getMessage()]
+    assert len(lines) == 1 and "`interaction.config.max_total_steps`" in lines[0], lines
     assert (spec.advantage, spec.sampling.max_turns, spec.sampling.max_new_tokens) == ("turn", 39, 256)
     assert spec.sampling.max_total_tokens == 4096 + 8192 and spec.steps == 1000 and spec.env == "gomoku"
     assert "game_kwargs" in ignored["interaction.config.board_size"]  # the env server's kwargs: the game's here

@@ -181,6 +181,8 @@ def test_upstream_binds_utils_to_this_package_over_the_scripts_own(tmp_path):
         from utils.utils import resolve_paths_in_config
         from utils.scheduler_client_lifecycle import get_lifecycle_manager
         import helper
+        import logging
+        assert logging.getLogger("httpx").level == logging.WARNING  # no line per status poll under hydra
         print(SchedulerClient.__module__, resolve_paths_in_config.__module__, helper.VALUE, sys.argv[1:])
     """))
     r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "s.py"), "a=1", "--flag"], capture_output=True,
