@@ -313,6 +313,9 @@ class Scheduler:
                 now_mine = [r for r, _ in await self.records(every_pool=True) if r.user == user.name]
                 if refused := self.unfinished_refusal(user, now_mine):
                     return refused
+            if held.expired():  # the lock's TTL may free it for another scheduler's count
+                return SubmitReply(ok=False, field="job_id", error="the submit took too long under the submit "
+                                   f"lock of user {user.name!r} (NATS slow?); try again")
             try:
                 await self.put(rec, None)
             except Conflict:
