@@ -23,7 +23,7 @@ PATH_FIELDS = ("data_path", "val_data_path", "tokenizer_path", "config_path", "c
 _FILE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".jsonl", ".parquet", ".txt", ".csv", ".bin", ".safetensors")
 
 
-def _original_cwd() -> str:
+def launch_dir() -> str:
     """The directory the script was started in (hydra moves the process to its outputs/
     folder by default), else the current one."""
     try:
@@ -45,7 +45,7 @@ def resolve_path(path: str, original_cwd: str | None = None) -> str:
     parts = path.split("/")
     if len(parts) == 2 and not path.endswith(_FILE_SUFFIXES):
         return path
-    base = Path(original_cwd or _original_cwd())
+    base = Path(original_cwd or launch_dir())
     if len(parts) == 1 and not path.endswith(_FILE_SUFFIXES) and not (base / path).exists():
         return path
     return str(base / path)
@@ -54,7 +54,7 @@ def resolve_path(path: str, original_cwd: str | None = None) -> str:
 def resolve_paths_in_config(config: Any, original_cwd: str | None = None) -> Any:
     """Resolve PATH_FIELDS of `config` (an OmegaConf DictConfig, a dict or a namespace)
     in place with `resolve_path`; returns `config`."""
-    cwd = original_cwd or _original_cwd()
+    cwd = original_cwd or launch_dir()
     for key in PATH_FIELDS:
         value = config.get(key) if hasattr(config, "get") else getattr(config, key, None)
         if isinstance(value, str) and value:

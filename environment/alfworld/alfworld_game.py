@@ -13,8 +13,9 @@ Games: `game.tw-pddl` files as `alfworld-download` lays them out,
 "train"), valid_seen ("eval_in_distribution"), valid_unseen
 ("eval_out_of_distribution") or the split's own name. <root> is the first of
 $ALFWORLD_DATA, ./alfworld_data and ~/.cache/alfworld that holds json_2.1.1 (upstream
-looks for its repository's alfworld_data; the folder the script starts in is that
-here, and upstream also asks for a logic/ folder, which a game file does not need).
+looks for its repository's alfworld_data; here the one in the folder the script was
+started in, before hydra moved it to outputs/; upstream also asks for a logic/ folder,
+which a game file does not need).
 `num_games` > 0 keeps that many games, drawn with random.Random(42) as upstream. An
 episode's game is `random.Random(seed).choice(games)`, the game upstream's
 `random.seed(seed); random.choice(games)` picks, without reseeding the process's
@@ -95,9 +96,11 @@ def _give_back(env: Any) -> None:
 def data_root() -> str:
     """The ALFWorld data folder (module docstring): the first candidate holding
     json_2.1.1, else $ALFWORLD_DATA, else ~/.cache/alfworld."""
+    from opentinker.client.utils.utils import launch_dir
+
     env_root = os.path.expandvars(os.environ.get("ALFWORLD_DATA", "")).strip()
     cache = os.path.expanduser("~/.cache/alfworld")
-    for candidate in [c for c in (env_root, os.path.abspath("alfworld_data"), cache) if c]:
+    for candidate in [c for c in (env_root, os.path.join(launch_dir(), "alfworld_data"), cache) if c]:
         if os.path.isdir(os.path.join(candidate, "json_2.1.1")):
             return candidate
     return env_root or cache

@@ -128,3 +128,21 @@ def test_no_games_names_the_data_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"No games found for split='train'.*set ALFWORLD_DATA"):
         ALFWorldGame().reset(seed=0)
+
+
+def test_the_repository_data_folder_is_where_the_script_started(data, tmp_path, monkeypatch):
+    """Without ALFWORLD_DATA, ./alfworld_data of the folder the script was started in
+    (hydra runs it from outputs/<date>/<time>/), as upstream's checkout-local folder."""
+    import shutil
+
+    from opentinker.client.utils import utils
+
+    started = tmp_path / "OpenTinker"
+    shutil.copytree(data, started / "alfworld_data")
+    (started / "outputs" / "run").mkdir(parents=True)
+    monkeypatch.chdir(started / "outputs" / "run")
+    monkeypatch.delenv("ALFWORLD_DATA")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(utils, "launch_dir", lambda: str(started))  # hydra's get_original_cwd()
+    assert alf.data_root() == str(started / "alfworld_data")
+    assert ALFWorldGame().reset(seed=0).startswith("=== Current State ===\n-= Welcome to TextWorld, ALFRED! =-")
