@@ -18,16 +18,21 @@ this user naming the env (`interaction_name`) runs its episodes against it.
   the row has one), and `reset` gets the row's `ground_truth`, `extra_info` and
   `data_source`, as upstream's math env passes them. A row's `images` (a vision-language
   dataset such as upstream's Geo3K) are the episode's initial images.
+- `interaction.config.observation_template` (upstream's GymEnvironmentInteraction):
+  each step's observation is sent as `template.format(observation=, reward=, step=,
+  cumulative_reward=, **info)`, step counting from 1; the opening observation is not
+  formatted, as upstream.
 """
 
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker.environment.base_game import AbstractGame
+from opentinker.environment.base_game import AbstractGame, StepResult
 from opentinker.environment.inference_pipeline import INFER_SPLIT, game_initial_state, game_opening
 from opentinker.environment.static_data_generator import read_rows, sample_from_row
 
@@ -67,12 +72,16 @@ def _user_text(prompt: list[dict[str, str]], where: str) -> str:
 
 def bind_game(game_class: type[AbstractGame], game_kwargs: dict[str, Any] | None = None,
               train: list[dict[str, Any]] | None = None,
-              val: list[dict[str, Any]] | None = None, stats_job: str | None = None) -> type[AbstractGame]:
+              val: list[dict[str, Any]] | None = None, stats_job: str | None = None,
+              observation_template: str = "{observation}") -> type[AbstractGame]:
     """The class to serve: `game_class` with `game_kwargs` bound (the job's env_args
     override them) and, with `train` samples (static_data_generator's), the rows as
     above; with `stats_job`, each episode is recorded under that job id when it ends
-    (GameStatsClient). The subclass keeps the game's name."""
+    (GameStatsClient); each step's observation formatted with `observation_template`
+    (module docstring). The subclass keeps the game's name. Raises ValueError for a
+    template that is no format string."""
     kwargs = dict(game_kwargs or {})
+    template = check_template(observation_template)
 
     def __init__(self, **env_args: Any) -> None:
         game_class.__init__(self, **{**kwargs, **env_args})
@@ -109,8 +118,35 @@ def bind_game(game_class: type[AbstractGame], game_kwargs: dict[str, Any] | None
 
         attrs.update(generate_initial_state=generate_initial_state, reset=reset, get_system_prompt=get_system_prompt,
                      get_user_message_with_state=get_user_message_with_state, get_initial_images=get_initial_images)
+    if template != "{observation}":
+        def step(self, action: str) -> StepResult:
+            r = game_class.step(self, action)
+            n, total = getattr(self, "_ot_steps", (0, 0.0))
+            self._ot_steps = (n + 1, total + float(r.reward))
+            fields = {**r.info, "observation": r.observation, "reward": r.reward, "step": n + 1,
+                      "cumulative_reward": total + float(r.reward)}
+            try:
+                text = template.format(**fields)
+            except (KeyError, IndexError, AttributeError) as e:
+                raise ValueError(f"interaction.config.observation_template {template!r}: no field {e} in this "
+                                 f"step (observation, reward, step, cumulative_reward and the info's keys: "
+                                 f"{sorted(r.info)})") from None
+            return StepResult(text, r.reward, r.done, r.info, r.images)
+
+        attrs["step"] = step
     served = type(game_class.__name__, (game_class,), attrs)
     return _recording(served, stats_job) if stats_job else served
+
+
+def check_template(template: str | None) -> str:
+    """`template` (None: "{observation}") if it is a format string; ValueError naming
+    interaction.config.observation_template otherwise."""
+    template = template or "{observation}"
+    try:
+        list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"interaction.config.observation_template {template!r}: {e}") from None
+    return template
 
 
 def _recording(cls: type[AbstractGame], job_id: str) -> type[AbstractGame]:
@@ -197,7 +233,7 @@ class GameEnvironment:
         self.train_samples = self._load(data_paths or cfg.get("data_path"))
         self.val_samples = self._load(val_data_paths or cfg.get("val_data_path"))
         self.served_class = bind_game(game_class, self.game_kwargs, self.train_samples, self.val_samples,
-                                      stats_job=self.job_id)
+                                      stats_job=self.job_id, observation_template=self.observation_template)
         self._val_size = cfg.get("val_batch_size")
         self._steps = cfg.get("num_steps")
         self.train_dataloader, self.val_dataloader = self._loaders()

@@ -34,8 +34,9 @@ set aside, each with the reason.
 
 Refused (ConfigError naming the key): adv_estimator "gae" (no critic here),
 lora.exclude_modules, lora.lora_adapter_path, a `reward` section (the reward is the
-game's `step()`), a non-default interaction.config.observation_template, an unknown
-`algorithm`. Everything else is set aside in `ignored` with the reason, and logged.
+game's `step()`), an unknown `algorithm`. Everything else is set aside in `ignored`
+with the reason, and logged. interaction.config.observation_template is not part of
+the job: the game served from the client's process (GameEnvironment) applies it.
 """
 
 from __future__ import annotations
@@ -340,9 +341,9 @@ def _interaction(c: dict[str, Any], put, ignored: dict[str, str], env: str | Non
                                             "itself is served"
     for key, value in (inter.get("config") or {}).items():
         if key == "observation_template" and value not in (None, "{observation}"):
-            raise ConfigError("interaction.config.observation_template",
-                              "observations are sent as step() returns them; format them in the game")
-        if key != "max_steps" and value is not None:
+            ignored[f"interaction.config.{key}"] = ("not sent with the job: the game served from this process "
+                                                   "(GameEnvironment) formats each step's observation with it")
+        elif key != "max_steps" and value is not None:
             ignored[f"interaction.config.{key}"] = _INTERACTION_CONFIG
     for key in ("weave_project", "experiment_name"):
         if (c.get("multi_turn") or {}).get(key) is not None:

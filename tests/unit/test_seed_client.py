@@ -104,8 +104,6 @@ def test_job_spec_section_sets_any_field_last():
     ({"lora": {"lora_rank": 8, "lora_adapter_path": "/x"}}, "lora.lora_adapter_path"),
     ({"reward": {"type": "code"}}, "reward"),
     ({"algorithm": "sft"}, "algorithm"),
-    ({"interaction": {"config": {"observation_template": "Board:\n{observation}"}}},
-     "interaction.config.observation_template"),
     ({"batch_size": 2.5}, "batch_size"),
 ])
 def test_a_key_the_service_cannot_honour_is_refused_by_name(config, key):

@@ -347,3 +347,33 @@ def test_geo3k_tool_game_checks_the_boxed_answer_as_mathematics(tmp_path):
     served.reset(**served.generate_initial_state(0, "train"))
     assert served.get_initial_images() == [pngs[0]]
     assert served.step("\\boxed{1}").reward == -0.05 and served.step("\\boxed{2}").reward == 1.0
+
+
+def test_the_configs_observation_template_formats_each_step():
+    """upstream's interaction.config.observation_template (generic_env_param.yaml's
+    "Environment: {observation}"): set aside from the job, applied by the served game
+    to each step's observation with the step, the rewards and the info's keys."""
+    import random
+
+    from opentinker.client.utils.config import job_spec_from_config
+    from opentinker.environment.base_game_environment import GameEnvironment
+    from opentinker.environment.gomoku import GomokuGame
+
+    template = "Environment (step {step}, total {cumulative_reward}, {error}): {observation}"
+    cfg = {"interaction": {"name": "gomoku", "config": {"observation_template": template}}}
+    assert "formats each step" in job_spec_from_config(cfg).ignored["interaction.config.observation_template"]
+    env = GameEnvironment(GomokuGame, cfg, game_kwargs={"board_size": 5, "max_total_steps": 3}, job_id="tpl")
+    game, plain = env.served_class(), GomokuGame(board_size=5, max_total_steps=3)
+    for g in (game, plain):
+        random.seed(1)
+        g.reset()
+    a, b = game.step("<move>9,9</move>"), plain.step("<move>9,9</move>")  # off the board: -1, the game goes on
+    assert (a.reward, a.done, a.info) == (b.reward, b.done, b.info)
+    assert a.observation == f"Environment (step 1, total -1.0, {b.info['error']}): {b.observation}"
+    assert game.step("no move").observation.startswith("Environment (step 2, total -2.0, ")
+    bad = GameEnvironment(GomokuGame, {"interaction": {"config": {"observation_template": "{nope}"}}}).served_class()
+    bad.reset()
+    with pytest.raises(ValueError, match=r"observation_template '\{nope\}': no field 'nope'"):
+        bad.step("<move>9,9</move>")
+    with pytest.raises(ValueError, match="observation_template '\\{oops'"):
+        GameEnvironment(GomokuGame, {"interaction": {"config": {"observation_template": "{oops"}}})
