@@ -277,6 +277,9 @@ def test_upstream_reports_a_scripts_missing_import_as_the_script_would(tmp_path)
     r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "own.py")], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "No module named 'my_own_missing_module'" in r.stderr
     assert "extra of opentinker" not in r.stderr and "opentinker[upstream]" not in r.stderr
+    (tmp_path / "aw.py").write_text("from opentinker.environment.android_world import AndroidWorldGame\n")
+    r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "aw.py")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "drives a live Android emulator" in r.stderr, r.stderr[-2000:]
     (tmp_path / "hy.py").write_text("raise ModuleNotFoundError(\"No module named 'hydra'\", name='hydra')\n")
     r = subprocess.run([OPENTINKER, "upstream", str(tmp_path / "hy.py")], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "imports 'hydra': pip install 'opentinker[upstream]'" in r.stderr, r.stderr
