@@ -6,6 +6,6 @@
     scheduler_client_lifecycle.py  get_lifecycle_manager: the job ends when the script does
 
 Upstream's scripts import these as `utils.<module>` (they run from its client folder):
-`python -m opentinker.client SCRIPT [overrides]` runs such a script with `utils` bound
-to this package (client/__main__.py).
+`opentinker upstream SCRIPT [overrides]` runs such a script with `utils` bound
+to this package (client/run_script.py).
 """
