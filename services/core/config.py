@@ -61,6 +61,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_jobs_per_user: int = 4    # scheduler quota: a user's jobs placed at once
     max_workers_per_user: int = 8  # scheduler quota: workers a user's placed jobs hold
     max_unfinished_jobs_per_user: int = 32  # scheduler: queued + running jobs of one user (admins: no limit)
+    # scheduler: a submit holding its user's submit lock longer than this is refused
+    # ("try again"); at most the lock's TTL less 10 s (scheduler/locks.py LEASE_S)
+    submit_lease_s: float = 20.0
     # scheduler: a finished job's record (COMPLETED, FAILED, CANCELLED), with its weights
     # and checkpoints in the object stores, is deleted this long after its last change,
     # and only the newest `finished_jobs_per_user` finished records of a user are kept

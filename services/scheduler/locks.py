@@ -50,11 +50,12 @@ class Lease:
 
 
 @contextlib.asynccontextmanager
-async def submit_lock(bus, user: str, exempt: bool = False) -> AsyncIterator[Lease]:
+async def submit_lock(bus, user: str, exempt: bool = False, lease_s: float = LEASE_S) -> AsyncIterator[Lease]:
     """Hold `user`'s submit lock for the block; yields a held Lease, or one that is not
     held when another holder kept it for WAIT_S (the block must then not count or
-    write; nor once the lease has expired). `exempt` (an admin, who has no limit to
-    count): no lock, a held Lease that never expires."""
+    write; nor once the lease has expired, `lease_s` after the acquire, at most
+    LEASE_S). `exempt` (an admin, who has no limit to count): no lock, a held Lease
+    that never expires."""
     if exempt:
         yield Lease(True, float("inf"))
         return
@@ -64,7 +65,7 @@ async def submit_lock(bus, user: str, exempt: bool = False) -> AsyncIterator[Lea
     while True:
         try:
             # the lease counts from before the create: the server's TTL from its write
-            lease = Lease(True, time.monotonic() + LEASE_S)
+            lease = Lease(True, time.monotonic() + min(lease_s, LEASE_S))
             await kv.create(key, b"")
             break
         except KeyWrongLastSequenceError:

@@ -305,7 +305,8 @@ class Scheduler:
             if isinstance(policy, SubmitReply):
                 return policy
         # the user's lock first: waiting for another scheduler's hold keeps no other work waiting
-        async with submit_lock(self.bus, user.name, user.role == "admin") as held, self.lock:
+        async with submit_lock(self.bus, user.name, user.role == "admin", self.settings.submit_lease_s) as held, \
+                self.lock:
             if not held:
                 return SubmitReply(ok=False, field="job_id", error=f"another submit of user {user.name!r} "
                                                                     "holds the submit lock; try again")

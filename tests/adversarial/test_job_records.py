@@ -133,6 +133,35 @@ async def test_a_burst_over_two_pools_schedulers_gets_no_more_than_the_unfinishe
     nothing_exited(world)
 
 
+async def test_a_submit_that_outlives_its_lease_on_the_users_lock_writes_nothing(world):
+    """A scheduler whose submits hold the user's lock past their lease (here
+    submit_lease_s=0: every one) refuses them instead of writing after the lock's TTL
+    may have let another scheduler count the same jobs."""
+    from opentinker.schemas import JobRecord
+    from opentinker.schemas.codec import decode
+
+    other = world.services.pool + "-lease"
+    b = world.services.start("scheduler", "api_port=0", "submit_lease_s=0", env={**world.env, "OPENTINKER_POOL": other})
+    try:
+        for _ in range(300):  # until the other pool's scheduler answers (an empty submit, refused)
+            with contextlib.suppress(Exception):
+                await world.service.nc.request(S.submit_subject(other), b"", timeout=0.5)
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(world.services.logs())
+        cmd = SubmitJob(spec=spec_from_dict(unplaceable(world, "bob-lease"), "train"), api_key=world.bob_key)
+        reply = await world.service.request(S.submit_subject(other), cmd, SubmitReply, timeout_s=30)
+        assert not reply.ok and reply.field == "job_id" and "took too long" in reply.error, reply
+        records = [decode(v, JobRecord) for v, _ in (await world.service.kv_values(S.KV_JOBS)).values()]
+        assert not [r for r in records if r.spec.name == "bob-lease"]
+        assert b.poll() is None
+    finally:
+        b.terminate()
+        await asyncio.to_thread(b.wait, 30)
+    nothing_exited(world)
+
+
 async def test_a_submit_then_cancel_loop_keeps_only_the_newest_finished_records(world, alice):
     loop: list[str] = []
     for i in range(LOOP):
