@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import re
 import socket
+import sys
 import time
 from collections.abc import Callable
+from typing import TextIO
 
 import msgspec
 import nats.errors
@@ -52,17 +55,32 @@ LATE_HEARTBEAT_S = S.WORKER_TTL_S / 2
 
 
 class Heartbeat:
-    """Keep one worker's entry in `ot_workers` fresh until `stop()`."""
+    """Keep one worker's entry in `ot_workers` fresh until `stop()`.
+
+    A beat later than LATE_HEARTBEAT_S is logged. Before that, when the event loop is
+    held up past the mark, faulthandler writes every thread's Python stack to
+    `stacks` (default: stderr, the service's log): what held the loop, caught while it
+    holds it (faulthandler's timer runs in a thread of its own, outside the GIL's
+    reach; one timer a process, so a second Heartbeat in one process takes it over)."""
 
     def __init__(self, bus: Bus, kind: WorkerKind, worker_id: str, pool: str,
-                 capacity: WorkerCapacity, jobs: Callable[[], list[str]], serve_url: str = ""):
+                 capacity: WorkerCapacity, jobs: Callable[[], list[str]], serve_url: str = "",
+                 stacks: TextIO | None = None):
         self.bus = bus
         self.key = S.worker_key(pool, worker_id)
         self.info = WorkerInfo(worker_id=worker_id, kind=kind, pool=pool, capacity=capacity,
                                host=socket.gethostname(), pid=os.getpid(), started_s=time.time(),
                                serve_url=serve_url)
         self.jobs = jobs
+        self.stacks = stacks
         self._task: asyncio.Task | None = None
+
+    def _watch(self) -> None:
+        """Arm the stack dump for LATE_HEARTBEAT_S after this beat (no-op when the stream
+        has no file descriptor, as under pytest's capture)."""
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            faulthandler.dump_traceback_later(LATE_HEARTBEAT_S,
+                                              file=self.stacks or sys.stderr)
 
     async def beat(self) -> None:
         info = msgspec.structs.replace(self.info, jobs=self.jobs(), time_s=time.time())
@@ -75,18 +93,22 @@ class Heartbeat:
     async def _loop(self) -> None:
         last = time.monotonic()
         while True:
+            self._watch()
             await asyncio.sleep(S.WORKER_HEARTBEAT_S)
             try:
                 await self.beat()
             except (nats.errors.Error, asyncio.TimeoutError) as e:
                 log.warning("heartbeat of %s failed: %r", self.key, e)
                 continue
+            finally:
+                faulthandler.cancel_dump_traceback_later()
             now = time.monotonic()
             gap, last = now - last, now
             if gap > LATE_HEARTBEAT_S:
                 # past WORKER_TTL_S the scheduler counts this worker gone and requeues its jobs
                 log.warning("heartbeat of %s written %.1f s after the one before (every %.0f s; gone after %.0f s): "
-                            "this process's event loop was held up, or the bus was slow", self.key, gap,
+                            "this process's event loop was held up, or the bus was slow (the threads' stacks "
+                            "at the mark, if it was the loop, are in this log above)", self.key, gap,
                             S.WORKER_HEARTBEAT_S, S.WORKER_TTL_S)
 
     async def stop(self) -> None:
@@ -95,6 +117,7 @@ class Heartbeat:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            faulthandler.cancel_dump_traceback_later()
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
             await (await self.bus.kv(S.KV_WORKERS)).delete(self.key)
 
