@@ -50,6 +50,17 @@ async def bobs_jobs(w: World) -> list[dict]:
     return r.json()
 
 
+async def answering(w: World, pool: str) -> None:
+    """Wait until `pool`'s scheduler answers on its submit subject (an empty submit,
+    refused); AssertionError with the services' logs after 60 s."""
+    for _ in range(300):
+        with contextlib.suppress(Exception):
+            await w.service.nc.request(S.submit_subject(pool), b"", timeout=0.5)
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(w.services.logs())
+
+
 def nothing_exited(w: World) -> None:
     assert all(code is None for code in w.alive().values()), (w.alive(), w.services.logs())
 
@@ -97,13 +108,7 @@ async def test_a_burst_over_two_pools_schedulers_gets_no_more_than_the_unfinishe
     accepted: list[str] = []
     try:
         cmd = SubmitJob(spec=spec_from_dict(unplaceable(world, "bob-pools"), "train"), api_key=world.bob_key)
-        for _ in range(300):  # until the other pool's scheduler answers (an empty submit, refused)
-            with contextlib.suppress(Exception):
-                await world.service.nc.request(S.submit_subject(other), b"", timeout=0.5)
-                break
-            await asyncio.sleep(0.2)
-        else:
-            raise AssertionError(world.services.logs())
+        await answering(world, other)
         already = sum(1 for j in await bobs_jobs(world) if j["state"] not in FINISHED)  # none in the other
         body = {"spec": unplaceable(world, "bob-pools")}
         for _ in range(10):  # rounds of 20 submits; at c3c7ade, 3 runs of 3 each let a fourth job through
@@ -143,13 +148,7 @@ async def test_a_submit_that_outlives_its_lease_on_the_users_lock_writes_nothing
     other = world.services.pool + "-lease"
     b = world.services.start("scheduler", "api_port=0", "submit_lease_s=0", env={**world.env, "OPENTINKER_POOL": other})
     try:
-        for _ in range(300):  # until the other pool's scheduler answers (an empty submit, refused)
-            with contextlib.suppress(Exception):
-                await world.service.nc.request(S.submit_subject(other), b"", timeout=0.5)
-                break
-            await asyncio.sleep(0.2)
-        else:
-            raise AssertionError(world.services.logs())
+        await answering(world, other)
         cmd = SubmitJob(spec=spec_from_dict(unplaceable(world, "bob-lease"), "train"), api_key=world.bob_key)
         reply = await world.service.request(S.submit_subject(other), cmd, SubmitReply, timeout_s=30)
         assert not reply.ok and reply.field == "job_id" and "took too long" in reply.error, reply
