@@ -30,12 +30,9 @@ else REWARD_STEP (-0.01) a command, REWARD_INVALID_ACTION (-0.1) when the game s
 admissible commands. info: raw_reward, action_taken, task, won, success, lost.
 
 How it is played: TextWorld's PDDL backend with ALFWorld's AlfredDemangler (object ids
-read "apple 1"), as upstream's `textworld.start(game, infos, [Filter, AlfredDemangler()])`.
-A game's environment holds a copy of Fast Downward's library that closing it does not
-free, so this process keeps the environments of finished episodes and loads the next
-games into them (measured: +1.1 MB a game with a new environment each, flat with reuse).
-TextWorld's PDDL parsers are module globals, so one game call (load, reset, step) runs
-at a time in this process.
+read "apple 1"), as upstream's `textworld.start(game, infos, [Filter, AlfredDemangler()])`,
+in environments a finished episode hands to the next, one game call at a time in this
+process (textworld_envs.py, shared with the built-in `alfworld` env).
 """
 
 from __future__ import annotations
@@ -49,6 +46,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from opentinker.environment.alfworld.textworld_envs import TEXTWORLD_LOCK, EnvPool
 from opentinker.environment.base_game import AbstractGame, StepResult
 
 SPLIT_FOLDERS = {"train": "train", "eval_in_distribution": "valid_seen", "eval_out_of_distribution": "valid_unseen"}
@@ -56,9 +54,6 @@ _ACTION = re.compile(r"<action>\s*(.*?)\s*</action>", re.IGNORECASE | re.DOTALL)
 
 _games: dict[tuple[str, str, tuple[str, ...], int], list[str]] = {}
 _games_lock = threading.Lock()
-_textworld_lock = threading.Lock()
-_idle: list[Any] = []
-_idle_lock = threading.Lock()
 
 
 def _textworld() -> tuple[Any, Any, Any]:
@@ -81,16 +76,7 @@ def _new_env() -> Any:
     return AlfredDemangler()(Filter(GenericEnvironment(infos)))
 
 
-def _borrow() -> Any:
-    with _idle_lock:
-        if _idle:
-            return _idle.pop()
-    return _new_env()
-
-
-def _give_back(env: Any) -> None:
-    with _idle_lock:
-        _idle.append(env)
+_envs = EnvPool(_new_env)
 
 
 def data_root() -> str:
@@ -194,10 +180,10 @@ class ALFWorldGame(AbstractGame):
                 raise RuntimeError(f"No game file found in {trial}")
             game_file = others[0]
         if self._env is None:
-            self._env = _borrow()
+            self._env = _envs.borrow()
             # an episode dropped without close() returns its environment when collected
-            self._release = weakref.finalize(self, _give_back, self._env)
-        with _textworld_lock:
+            self._release = weakref.finalize(self, _envs.give_back, self._env)
+        with TEXTWORLD_LOCK:
             self._env.load(game_file)
             obs, info = self._env.reset()
         self._current_obs = str(obs)
@@ -233,7 +219,7 @@ class ALFWorldGame(AbstractGame):
             raise RuntimeError("step: the episode is not running (reset first)")
         self._step_count += 1
         command = self._parse_action(action)
-        with _textworld_lock:
+        with TEXTWORLD_LOCK:
             obs, reward, done, info = self._env.step(command)
         won, lost = _flag(info, "won"), _flag(info, "lost")
         obs = self._current_obs = str(obs)

@@ -137,17 +137,17 @@ def test_two_episodes_at_once_keep_their_own_games(data):
             if i < len(plans[k]):
                 results[k].append(envs[k].step(plans[k][i]))
     assert all(r[-1].reward == 1.0 and r[-1].done for r in results)
-    assert len(alf._idle) >= 2
-    idle = len(alf._idle)
+    assert len(alf._stacks.idle) >= 2
+    idle = len(alf._stacks.idle)
     again = AlfWorldGame()
     again.reset(game=games[0])
-    assert len(alf._idle) == idle - 1  # a finished game's stack, not a new one
+    assert len(alf._stacks.idle) == idle - 1  # a finished game's stack, not a new one
     # an episode dropped unfinished gives its stack back when collected; TextWorld's
     # global parsers keep the frames of their last call (and so the game) until the next
     del again
     AlfWorldGame().reset(game=games[1])
     gc.collect()
-    assert len(alf._idle) == idle - 1
+    assert len(alf._stacks.idle) == idle - 1
 
 
 def test_reset_plays_only_the_operators_games(data):

@@ -87,7 +87,7 @@ def test_finished_episodes_hand_their_environment_to_the_next():
     """One environment serves episode after episode (a new one each would keep another
     copy of Fast Downward's library); two episodes at once have two."""
     gc.collect()  # episodes other tests dropped give theirs back first
-    alf._idle.clear()
+    alf._envs.idle.clear()
     seen = set()
     for seed in range(4):
         game = ALFWorldGame()
@@ -96,16 +96,16 @@ def test_finished_episodes_hand_their_environment_to_the_next():
         game.step("look")
         game.close()
         game.close()  # once
-    assert len(seen) == 1 and len(alf._idle) == 1
+    assert len(seen) == 1 and len(alf._envs.idle) == 1
     a, b = ALFWorldGame(), ALFWorldGame()
     a.reset(seed=0)
     b.reset(seed=1)
     assert a._env is not b._env
     del a  # dropped without close(): its environment goes back when collected
     gc.collect()
-    assert len(alf._idle) == 1
+    assert len(alf._envs.idle) == 1
     b.close()
-    assert len(alf._idle) == 2
+    assert len(alf._envs.idle) == 2
 
 
 def test_served_from_a_game_environment_the_first_message_shows_the_room():

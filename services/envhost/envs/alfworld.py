@@ -42,6 +42,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from opentinker.environment.alfworld.textworld_envs import TEXTWORLD_LOCK, EnvPool
 from opentinker.environment.base_game import AbstractGame, StepResult
 
 #: ALFWorld's six task types, numbered as its config's env.task_types
@@ -130,14 +131,6 @@ def list_games(split: str, task_types: tuple[int, ...]) -> list[str]:
         return _games[key]
 
 
-# TextWorld's PDDL backend parses its grammar and derives every text (feedback, each
-# admissible command) with module-global tatsu parsers, and translates a game with Fast
-# Downward's translator, which keeps its options in module globals: one call at a time.
-_textworld_lock = threading.Lock()
-_idle: list[Any] = []
-_idle_lock = threading.Lock()
-
-
 def _new_stack() -> Any:
     """A game stack as AlfredTWEnv.init_env makes one per batch slot (without the gym
     Filter/Limit: this class counts turns)."""
@@ -149,16 +142,7 @@ def _new_stack() -> Any:
     return tw.AlfredInfos(tw.AlfredDemangler(GenericEnvironment(infos), shuffle=False))
 
 
-def _borrow() -> Any:
-    with _idle_lock:
-        if _idle:
-            return _idle.pop()
-    return _new_stack()
-
-
-def _give_back(stack: Any) -> None:
-    with _idle_lock:
-        _idle.append(stack)
+_stacks = EnvPool(_new_stack)
 
 
 def parse_action(text: str) -> str:
@@ -227,11 +211,11 @@ class AlfWorldGame(AbstractGame):
             raise ValueError(f"game: {game!r} is not an ALFWorld game of split {split!r} and "
                              f"env_args.task_types in the envhost's data")
         self._close()
-        stack = _borrow()
+        stack = _stacks.borrow()
         # an episode dropped without finishing (closed, expired) returns its stack when collected
-        self._release = weakref.finalize(self, _give_back, stack)
+        self._release = weakref.finalize(self, _stacks.give_back, stack)
         self._stack = stack
-        with _textworld_lock:
+        with TEXTWORLD_LOCK:
             stack.load(str(data_root().resolve() / game))
             state = stack.reset()
         self.game, self.turn, self.won = game, 0, False
@@ -267,7 +251,7 @@ class AlfWorldGame(AbstractGame):
         command = parse_action(action)
         valid = command in self.admissible
         # TextWorld answers a command it does not know with "Nothing happens." and no change
-        with _textworld_lock:
+        with TEXTWORLD_LOCK:
             state, _, _ = self._stack.step(command)
         self.won = bool(state["won"])
         self.admissible = list(state["admissible_commands"] or [])
