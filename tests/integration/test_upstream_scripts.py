@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import log_rows
 from opentinker.sdk.client import Client
 from tests.fixtures.gsm8k_data import SAMPLE as GSM8K
 from tests.fixtures.upstream_data import geo3k_rows
@@ -79,16 +80,10 @@ def _run(root: Path, env: dict, script: str, *overrides: str) -> subprocess.Comp
 
 async def _logged(world, job_id: str, n: int, columns: str) -> list[tuple]:
     """`columns` of the job's train episodes in the trajectory log, once `n` are there
-    (the recorder writes the log a moment after the job ends; 60 s at most)."""
-    from opentinker.services.core.logdb import run_query
-
-    deadline = asyncio.get_running_loop().time() + 60
-    while True:
-        _, rows = run_query(f"SELECT {columns} FROM trajectories WHERE job_id = '{job_id}' AND split = 'train' "
-                            "ORDER BY episode_id", str(world.data_dir))
-        if len(rows) >= n or asyncio.get_running_loop().time() > deadline:
-            return rows
-        await asyncio.sleep(1)
+    (conftest.log_rows: the recorder writes the log a moment after the job ends)."""
+    rows = await log_rows(world.data_dir, f"SELECT count(*) OVER (), {columns} FROM trajectories "
+                          f"WHERE job_id = '{job_id}' AND split = 'train' ORDER BY episode_id", n, timeout_s=60)
+    return [row[1:] for row in rows]
 
 
 async def test_upstreams_math_scripts_train_and_infer_unchanged(world, tmp_path):
