@@ -4,7 +4,6 @@ made offline (tests/fixtures/alfworld_games.py), played against upstream's own c
 command, and its environments reused across episodes."""
 
 import gc
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -12,11 +11,10 @@ from pathlib import Path
 import pytest
 
 from fixtures.alfworld_games import shared_alfworld_data
+from fixtures.upstream_data import upstream_class
 from opentinker.environment.alfworld import ALFWorldGame
 from opentinker.environment.alfworld import alfworld_game as alf
 from opentinker.environment.base_game import opening
-
-UPSTREAM = Path(__file__).resolve().parents[1] / "fixtures" / "upstream_client" / "environment" / "alfworld_game.py"
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +25,6 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def alfworld_data(data, monkeypatch):
     monkeypatch.setenv("ALFWORLD_DATA", str(data))
-
-
-def _upstream():
-    spec = importlib.util.spec_from_file_location("upstream_alfworld_game", UPSTREAM)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ALFWorldGame
 
 
 def _replies(walkthrough: list[str], rng: random.Random) -> list[str]:
@@ -55,7 +46,7 @@ def _replies(walkthrough: list[str], rng: random.Random) -> list[str]:
 def test_alfworld_game_plays_exactly_as_upstreams(split, max_steps):
     """Same seeds, same replies: the first message, every observation, reward, done flag,
     info and state equal upstream's, through wins, invalid commands and timeouts."""
-    Upstream = _upstream()
+    Upstream = upstream_class("alfworld_game", "ALFWorldGame")
     outcomes = set()
     for seed in range(8):
         ours, theirs = ALFWorldGame(max_steps=max_steps, split=split), Upstream(max_steps=max_steps, split=split)

@@ -16,7 +16,7 @@ from opentinker.environment.game_stats_client import GameStatsClient, record_epi
 from opentinker.environment.math import MathGame
 from opentinker.environment.math import math_game
 from opentinker.environment.math.math_env import MathGameEnvironment
-from tests.fixtures.upstream_data import geo3k_rows
+from tests.fixtures.upstream_data import geo3k_rows, upstream_class
 
 OPENTINKER = str(Path(sys.executable).parent / "opentinker")
 
@@ -195,18 +195,6 @@ def test_upstream_binds_utils_to_this_package_over_the_scripts_own(tmp_path):
     assert r.returncode == 2 and "missing.py: no such script" in r.stderr
 
 
-def _upstream(module: str, cls: str):
-    """Upstream's own game class (tests/fixtures/upstream_client/environment, verbatim),
-    importing this package's AbstractGame and StepResult as it would its own."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "fixtures" / "upstream_client" / "environment" / f"{module}.py"
-    spec = importlib.util.spec_from_file_location(f"upstream_{module}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return getattr(mod, cls)
-
-
 @pytest.mark.parametrize("kwargs", [{}, {"board_size": 5, "win_length": 3, "max_total_steps": 12},
                                     {"board_size": 7, "win_length": 4, "max_initial_moves": 4,
                                      "empty_board_prob": 0.0}])
@@ -218,7 +206,7 @@ def test_gomoku_plays_exactly_as_upstreams(kwargs):
 
     from opentinker.environment.gomoku import GomokuGame
 
-    Upstream = _upstream("gomoku_game", "GomokuGame")
+    Upstream = upstream_class("gomoku_game", "GomokuGame")
     for seed in range(30):
         ours, theirs = GomokuGame(**kwargs), Upstream(**kwargs)
         random.seed(seed)
@@ -312,7 +300,7 @@ def test_geo3k_tool_game_answers_as_upstreams(max_retries):
     attempts that are wrong, unboxed, nested, repeated, right, and after the end."""
     from opentinker.environment.geo3k import Geo3KToolGame
 
-    Upstream = _upstream("geo3k_tool_game", "Geo3KToolGame")
+    Upstream = upstream_class("geo3k_tool_game", "Geo3KToolGame")
     episodes = [("12", ["x is \\boxed{10}", "no box", "\\boxed{12}", "\\boxed{12}"]),
                 ("\\frac{8}{3}", ["\\boxed{\\frac{8}{3}} and \\boxed{3", "\\boxed{ \\frac{8}{3} }", "x"]),
                 ("5", ["\\boxed{4}", "\\boxed{4}", "\\boxed{4}", "\\boxed{5}"]),
