@@ -34,7 +34,7 @@ class SpecError(ValueError):
 Engine = Literal["auto", "vllm", "hf"]
 SamplerDtype = Literal["auto", "float32", "bfloat16"]
 LearnerDtype = Literal["auto", "float32", "bfloat16"]
-AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
 Surrogate = Literal["ppo", "gspo", "cispo", "importance_sampling", "dro", "cross_entropy", "stable_reinforce"]
 LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -118,9 +118,10 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "The environment's own arguments (each built-in env's: docs/environments.md); at most "
         f"{MAX_ENV_ARGS_BYTES // 1024} KiB as msgpack.")) = msgspec.field(default_factory=dict)
     prompts_per_step: Bounded(int, 1, 1024, doc="Groups (one prompt each) a GRPO step samples and trains on.") = 4
-    group_size: Bounded(int, 2, MAX_GROUP_SIZE, doc=(
+    group_size: Bounded(int, 1, MAX_GROUP_SIZE, doc=(
         "Episodes per group, all on one prompt: GRPO normalizes each episode's reward within its group "
-        "(arXiv 2402.03300 §4.1).")) = 8
+        "(arXiv 2402.03300 §4.1); at least 2, except with `advantage_estimator = \"gae\"` (a critic's "
+        "baseline, no group's).")) = 8
     steps: Bounded(int, 1, 1_000_000, doc="Training steps of the job (SFT: optimizer steps).") = 20
     lr: Bounded(float, 0, 1, lo_open=True, hi_open=True, doc=(
         "AdamW's learning rate (its peak under `lr_schedule`).")) = 5e-4
@@ -235,7 +236,19 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     advantage_estimator: Doc(AdvantageEstimator, (
         "`grpo`: (r - mean) / std (arXiv 2402.03300); `dr_grpo`: r - mean (Dr. GRPO, arXiv 2503.20783); "
         "`rloo`: the leave-one-out baseline (arXiv 2402.14740); `reinforce_pp`: group-centred, divided by the "
-        "batch std (REINFORCE++, arXiv 2501.03262).")) = "grpo"
+        "batch std (REINFORCE++, arXiv 2501.03262); `gae`: PPO with a learned critic, generalized advantage "
+        "estimation over the policy tokens (arXiv 1506.02438), the critic trained on the returns with a clipped "
+        "value loss (docs/job-spec.md 'PPO with a critic').")) = "grpo"
+    gae_gamma: Bounded(float, 0, 1, doc=(
+        "gamma, the per-token discount of `gae` (verl's `algorithm.gamma`); 1 = undiscounted.")) = 1.0
+    gae_lambda: Bounded(float, 0, 1, doc=(
+        "lambda of `gae` (verl's `algorithm.lam`): 1 = Monte-Carlo returns minus the critic's values, 0 = "
+        "one-step TD errors (arXiv 1506.02438 §3).")) = 1.0
+    critic_lr: Bounded(float, 0, 1, hi_open=True, doc=(
+        "The critic's AdamW learning rate with `gae` (its peak under `lr_schedule`); 0 = `lr`.")) = 0.0
+    value_clip: Bounded(float, 0, 100, doc=(
+        "epsilon of the critic's clipped value loss 0.5 max((V - R)^2, (clip(V, V_old +- epsilon) - R)^2) "
+        "(verl's `critic.cliprange_value`); 0 = unclipped.")) = 0.5
     surrogate: Doc(Surrogate, (
         "The per-token objective (shared with the Tinker API's `loss_fn`): `ppo` the clipped surrogate "
         "(arXiv 1707.06347); `gspo` the same clip on the sequence's length-normalized ratio, each token keeping "
@@ -461,6 +474,7 @@ def validate_job_spec(spec: JobSpec, kind: str = "train") -> JobSpec:
     _check((spec.dro_beta > 0) == (spec.surrogate == "dro"), "dro_beta",
            "is DRO's penalty weight: > 0 with surrogate = 'dro' (e.g. 0.05, arXiv 2405.19107), 0 with any other "
            f"(got {spec.dro_beta!r} with surrogate = {spec.surrogate!r})")
+    _check_critic(spec)
     if spec.algorithm == "grpo":
         _check(spec.mini_batches <= spec.episodes_per_step, "mini_batches",
                f"must be at most the step's {spec.episodes_per_step} episodes (got {spec.mini_batches})")
@@ -512,6 +526,26 @@ def _check_teacher(spec: JobSpec) -> None:
                "sampler's logprobs with the teacher's at temperature 1")
         _check(not (spec.distill_only and spec.dynamic_sampling), "dynamic_sampling",
                "replaces groups of equal rewards, which distill_only does not train on")
+
+
+def _check_critic(spec: JobSpec) -> None:
+    """PPO with a critic (`advantage_estimator = "gae"`): a GRPO-algorithm job on one
+    learner rank, with per-token credit from the critic (not `advantage = "turn"`) and no
+    dynamic sampling (which replaces groups of equal rewards, a group-relative notion);
+    group_size 1 only there."""
+    gae = spec.advantage_estimator == "gae"
+    _check(spec.group_size >= 2 or gae, "group_size",
+           f"must be at least 2 (got {spec.group_size}): the group is GRPO's baseline; only "
+           "advantage_estimator = 'gae' (a critic's baseline) samples one episode a prompt")
+    if not gae:
+        return
+    _check(spec.algorithm == "grpo", "advantage_estimator", f"'gae' is for RL jobs (algorithm {spec.algorithm!r})")
+    _check(spec.learner_ranks == 1, "learner_ranks",
+           f"a job with a critic (advantage_estimator = 'gae') trains on one rank (got {spec.learner_ranks})")
+    _check(spec.advantage == "episode", "advantage",
+           "'turn' is a group-relative credit; with advantage_estimator = 'gae' the critic assigns each token its own")
+    _check(spec.dynamic_sampling == 0, "dynamic_sampling",
+           "replaces groups of equal rewards, a group-relative notion; off with advantage_estimator = 'gae'")
 
 
 def max_generated_tokens(spec: JobSpec) -> int:

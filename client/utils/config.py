@@ -23,7 +23,8 @@ set aside, each with the reason.
       max_user_turns (0 = single turn),          user turns + 1, interaction.config.max_steps)
       interaction.config.max_steps
     adv_estimator grpo | grpo_per_step         advantage "episode" | "turn" (GRPO);
-                                               rloo, reinforce_plus_plus, drgrpo too
+                                               rloo, reinforce_plus_plus, drgrpo too;
+                                               gae: PPO with a critic, group_size 1
     lora.lora_rank (absent: 0), lora_alpha     lora_rank (0 = every parameter), lora_alpha
     lora.target_modules ("all-linear")         lora_target_modules (the decoder's 7 linears)
     lora.lr (when lora_rank > 0), else 1e-6    lr (1e-6: upstream's actor default)
@@ -32,11 +33,11 @@ set aside, each with the reason.
     interaction.name                           env
     job_spec: {...} (this project's)           any JobSpec field, applied last
 
-Refused (ConfigError naming the key): adv_estimator "gae" (no critic here),
-lora.exclude_modules, lora.lora_adapter_path, a `reward` section (the reward is the
-game's `step()`), an unknown `algorithm`. Everything else is set aside in `ignored`
-with the reason, and logged. interaction.config.observation_template is not part of
-the job: the game served from the client's process (GameEnvironment) applies it.
+Refused (ConfigError naming the key): lora.exclude_modules, lora.lora_adapter_path, a
+`reward` section (the reward is the game's `step()`), an unknown `algorithm`.
+Everything else is set aside in `ignored` with the reason, and logged.
+interaction.config.observation_template is not part of the job: the game served from
+the client's process (GameEnvironment) applies it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ DEFAULT_PROMPT_TOKENS = 1024  # the prompt allowance when max_prompt_tokens is n
 ADVANTAGE = {  # upstream / verl adv_estimator -> (advantage_estimator, advantage)
     "grpo": ("grpo", "episode"), "grpo_per_step": ("grpo", "turn"), "rloo": ("rloo", "episode"),
     "reinforce_plus_plus": ("reinforce_pp", "episode"), "reinforce_pp": ("reinforce_pp", "episode"),
-    "drgrpo": ("dr_grpo", "episode"), "dr_grpo": ("dr_grpo", "episode"),
+    "drgrpo": ("dr_grpo", "episode"), "dr_grpo": ("dr_grpo", "episode"), "gae": ("gae", "episode"),
 }
 KL_ESTIMATOR = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 
@@ -280,14 +281,15 @@ def _adv_estimator(c: dict[str, Any], put) -> None:
     est = c.get("adv_estimator")
     if est is None:
         return
-    if est == "gae":
-        raise ConfigError("adv_estimator", "'gae' needs a critic, which this service does not train; use "
-                          "'grpo' or 'grpo_per_step' (per-turn returns)")
     if est not in ADVANTAGE:
-        raise ConfigError("adv_estimator", f"{est!r} is not one of {sorted(ADVANTAGE) + ['gae']}")
+        raise ConfigError("adv_estimator", f"{est!r} is not one of {sorted(ADVANTAGE)}")
     estimator, advantage = ADVANTAGE[est]
     put("advantage_estimator", estimator, "adv_estimator")
     put("advantage", advantage, "adv_estimator")
+    if est == "gae":  # PPO with a critic: upstream's server samples one episode a prompt whatever rollout_n says
+        if c.get("rollout_n") not in (None, 1):
+            log.info("adv_estimator 'gae': rollout_n %s -> 1, as upstream's server sets it", c["rollout_n"])
+        put("group_size", 1, "adv_estimator")
 
 
 def _lora(c: dict[str, Any], put, ignored: dict[str, str]) -> None:

@@ -31,6 +31,9 @@ class Batch(NamedTuple):
                     [B, T] float  one per token (turn-level credit; target-aligned)
     images:         every image of the batch (PNG/JPEG bytes), row by row in the order
                     of their placeholder tokens (Trajectory.images); () for text
+    values:         [B, T] float  with a critic (gae.py): its value of token t+1 when the
+    returns:        [B, T] float  step's advantages were computed, and token t+1's GAE
+                                  return (target-aligned); None without a critic
     """
 
     input_ids: torch.Tensor
@@ -39,10 +42,13 @@ class Batch(NamedTuple):
     logprobs: torch.Tensor
     advantages: torch.Tensor
     images: tuple[bytes, ...] = ()
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     def to(self, device: str | torch.device) -> Batch:
         """The batch with every tensor on `device`."""
-        return Batch(*(t.to(device) for t in self[:5]), self.images)
+        return Batch(*(t.to(device) for t in self[:5]), self.images,
+                     *(None if t is None else t.to(device) for t in self[6:]))
 
     @property
     def num_tokens(self) -> int:
@@ -266,11 +272,13 @@ def _whiten(trajs: Sequence[Trajectory], advantages: list[Advantage], excluded: 
 
 
 def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pad_id: int,
-                exclude: Sequence[bool] | None = None) -> Batch:
+                exclude: Sequence[bool] | None = None, values: Sequence[Sequence[float]] | None = None,
+                returns: Sequence[Sequence[float]] | None = None) -> Batch:
     """Pad `trajs` (right) into a target-aligned Batch; `advantages[i]` belongs to `trajs[i]`:
     a float per episode, or a [len(token_ids)] list per token (token_advantages).
     `exclude[i]` True gives episode i loss mask 0 (StepAdvantages.excluded); its tokens
-    still go through the model, but nothing of them reaches the loss.
+    still go through the model, but nothing of them reaches the loss. With a critic,
+    `values` and `returns` (gae.CriticTargets') are [len(token_ids)] lists per episode.
 
     Raises ValueError when the lengths differ, `trajs` is empty, or a per-token list
     does not match its episode's length.
@@ -301,16 +309,25 @@ def build_batch(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], pa
         logprobs[b, : n - 1] = torch.tensor(t.logprobs[1:], dtype=torch.float32)
     logprobs *= loss_mask
     images = tuple(im for t in trajs for im in t.images)
+    critic = [None if x is None else _aligned(trajs, x, T, name) * loss_mask
+              for x, name in ((values, "values"), (returns, "returns"))]
     if not any(isinstance(a, Sequence) for a in advantages):
         return Batch(input_ids, attention_mask, loss_mask, logprobs,
-                     torch.tensor(list(advantages), dtype=torch.float32), images)
-    adv = torch.zeros((B, T), dtype=torch.float32)
-    for b, (t, a) in enumerate(zip(trajs, advantages)):
+                     torch.tensor(list(advantages), dtype=torch.float32), images, *critic)
+    adv = _aligned(trajs, advantages, T, "advantages")
+    return Batch(input_ids, attention_mask, loss_mask, logprobs, adv * loss_mask, images, *critic)
+
+
+def _aligned(trajs: Sequence[Trajectory], lists: Sequence[Advantage], T: int, name: str) -> torch.Tensor:
+    """[B, T] target-aligned from per-token lists aligned with token_ids (column j holds
+    element j + 1). Raises ValueError when a list is not of its episode's length."""
+    out = torch.zeros((len(trajs), T), dtype=torch.float32)
+    for b, (t, a) in enumerate(zip(trajs, lists)):
         if not isinstance(a, Sequence) or len(a) != len(t.token_ids):
-            raise ValueError(f"episode {b}: per-token advantages must all be lists of len(token_ids)")
+            raise ValueError(f"episode {b}: per-token {name} must all be lists of len(token_ids)")
         if len(a) > 1:
-            adv[b, : len(a) - 1] = torch.tensor(list(a[1:]), dtype=torch.float32)
-    return Batch(input_ids, attention_mask, loss_mask, logprobs, adv * loss_mask, images)
+            out[b, : len(a) - 1] = torch.tensor(list(a[1:]), dtype=torch.float32)
+    return out
 
 
 def micro_batch_indices(lengths: Sequence[int], micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
@@ -369,16 +386,22 @@ def shard_updates(micro_batches: Sequence[Batch], updates: Sequence[Sequence[int
 
 
 def micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[Advantage], micro_batch_size: int,
-                  pad_id: int, exclude: Sequence[bool] | None = None, max_tokens: int = 0) -> list[Batch]:
+                  pad_id: int, exclude: Sequence[bool] | None = None, max_tokens: int = 0,
+                  values: Sequence[Sequence[float]] | None = None,
+                  returns: Sequence[Sequence[float]] | None = None) -> list[Batch]:
     """Split episodes into Batches of at most `micro_batch_size` episodes and, with
     `max_tokens` > 0, at most that many padded tokens (B * T; an episode longer than
     that gets a Batch of its own). Episodes are sorted by length so that little compute
     goes to padding (length packing; the gradient is a sum over episodes, so order does
-    not matter; micro_batch_indices). `exclude` as in build_batch.
+    not matter; micro_batch_indices). `exclude`, `values` and `returns` as in build_batch.
     """
     groups = micro_batch_indices([len(t.token_ids) for t in trajs], micro_batch_size, max_tokens)
-    return [build_batch([trajs[i] for i in idx], [advantages[i] for i in idx], pad_id,
-                        None if exclude is None else [exclude[i] for i in idx]) for idx in groups]
+
+    def part(seq, idx):
+        return None if seq is None else [seq[i] for i in idx]
+
+    return [build_batch([trajs[i] for i in idx], [advantages[i] for i in idx], pad_id, part(exclude, idx),
+                        part(values, idx), part(returns, idx)) for idx in groups]
 
 
 class MiniBatchPlan(NamedTuple):

@@ -50,7 +50,7 @@ from opentinker.services.learner.evaluation import Evaluator
 from opentinker.services.learner.ledger import Delivery, StepStats, TrajectoryLedger, by_seat, seats_complete
 # SERVICE and JobStopped are imported from here too (service.py)
 from opentinker.services.learner.lifecycle import SERVICE, JobStopped, RunLifecycle  # noqa: F401
-from opentinker.services.learner.step import plan_step
+from opentinker.services.learner.step import plan_step, token_stats
 
 log = logging.getLogger("opentinker.learner")
 
@@ -72,20 +72,6 @@ def group_seed(seed: int, step: int, group_index: int, refill: int = 0) -> int:
     that index too."""
     return (derived_seed(seed, step, group_index) if refill == 0
             else derived_seed("refill", seed, step, group_index, refill))
-
-
-# a train step's per-token averages (engine.train_step; the IS weights and the sampler /
-# learner gap "mismatch_kl" are loss.rollout_is_weights')
-TOKEN_STATS = ("kl", "approx_kl", "entropy", "clip_frac", "is_weight_mean", "is_capped_frac", "mismatch_kl")
-
-
-def token_stats(out: dict[str, float]) -> dict[str, float]:
-    """The step's TOKEN_STATS from engine.train_step's `out`, or none at all when it
-    forwarded no policy token (every group skipped or excluded): such a step has no
-    entropy or KL, and a 0 would read as one (plots dived to 0 on those steps)."""
-    if not out.get("tokens"):
-        return {}
-    return {k: out[k] for k in TOKEN_STATS if k in out}  # "kl" only where the loss has a KL term
 
 
 @dataclass
@@ -510,7 +496,8 @@ class JobRun(RunLifecycle):
         (engine.train_step). Returns the engine's metrics and the plan's stats."""
         with tracing.span("learner.batch", attrs={"ot.episodes": len(trajs)}):
             plan = plan_step(trajs, self.spec, self.step, self.engine.pad_id,
-                             lambda batches: self.engine.sequence_logprobs(batches, reference=True))
+                             lambda batches: self.engine.sequence_logprobs(batches, reference=True),
+                             getattr(self.engine, "values", None))  # a critic's (critic.ActorCritic)
         with torch_threads(self.async_threads()):
             out = self.engine.train_step(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
         return {**out, **plan.stats}

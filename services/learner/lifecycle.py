@@ -208,6 +208,11 @@ class RunLifecycle:
                                                self.scratch, self.settings.threads or None)
         else:
             self.engine = await self.in_engine(TrainEngine, self.spec, model_path, self.settings.device)
+        if self.spec.advantage_estimator == "gae":  # PPO with a critic beside the policy
+            from opentinker.services.learner.critic import ActorCritic, CriticEngine
+
+            critic = await self.in_engine(CriticEngine, self.spec, model_path, self.settings.device)
+            self.engine = ActorCritic(self.engine, critic)
         self.check_live()
 
     async def finish(self) -> None:

@@ -6,7 +6,8 @@ logprobs for the KL in the reward, is a function passed in.
 plan_step reads as the step does:
 1. reward bonuses: DAPO's soft overlong penalty, the KL-in-reward penalty (reward_bonus);
 2. group-relative advantages, the episodes excluded from the loss (errors, the overlong
-   filter, opponents' seats) and the groups without signal (advantages); with a
+   filter, opponents' seats) and the groups without signal (advantages), or with a
+   critic its GAE advantages, values and returns (critic_advantages); with a
    distillation teacher, each policy token's reverse KL to it (distill);
 3. the groups whose loss terms are all exactly 0, skipped from the forward
    (skipped_episodes);
@@ -30,11 +31,30 @@ from opentinker.schemas.stats import derived_seed
 from opentinker.services.learner.batching import (Batch, StepAdvantages, build_batch, distill_advantages,
                                                   micro_batch_indices, micro_batches, plan_updates, policy_tokens,
                                                   step_advantages)
+from opentinker.services.learner.gae import CriticTargets, gae_targets
 from opentinker.services.learner.loss import AggTotals, LossConfig, kl_estimate, lr_factor, overlong_penalty
 
 # micro-batches -> the reference policy's target-aligned logprobs [B, T] of each
 # (engine_deepspeed.TrainEngine.sequence_logprobs with reference=True)
 RefLogprobs = Callable[[Sequence[Batch]], Sequence[torch.Tensor]]
+# micro-batches -> the critic's target-aligned values [B, T] of each (critic.CriticEngine.values)
+ValueFn = Callable[[Sequence[Batch]], Sequence[torch.Tensor]]
+
+
+# a train step's per-token averages (engine.train_step; the IS weights and the sampler /
+# learner gap "mismatch_kl" are loss.rollout_is_weights'), and a critic's (critic.py)
+TOKEN_STATS = ("kl", "approx_kl", "entropy", "clip_frac", "is_weight_mean", "is_capped_frac", "mismatch_kl",
+               "value_loss", "value_error", "value_clip_frac", "value_mean", "return_mean", "value_explained_var",
+               "critic_grad_norm")
+
+
+def token_stats(out: dict[str, float]) -> dict[str, float]:
+    """The step's TOKEN_STATS from engine.train_step's `out`, or none at all when it
+    forwarded no policy token (every group skipped or excluded): such a step has no
+    entropy or KL, and a 0 would read as one (plots dived to 0 on those steps)."""
+    if not out.get("tokens"):
+        return {}
+    return {k: out[k] for k in TOKEN_STATS if k in out}  # "kl" only where the loss has a KL term
 
 
 class StepPlan(NamedTuple):
@@ -78,13 +98,35 @@ def reward_bonus(trajs: Sequence[Trajectory], spec: JobSpec, pad_id: int,
     if spec.kl_in_reward and spec.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_in_reward needs the reference policy's logprobs (ref_logprobs)")
-        idx = micro_batch_indices([len(t.token_ids) for t in trajs], spec.micro_batch_size, spec.micro_batch_tokens)
-        batches = [build_batch([trajs[i] for i in part], [0.0] * len(part), pad_id) for part in idx]
-        for part, mb, ref in zip(idx, batches, ref_logprobs(batches)):
+        for part, mb, ref in forward(trajs, range(len(trajs)), spec, pad_id, ref_logprobs):
             kl = torch.where(mb.loss_mask > 0, kl_estimate(mb.logprobs, ref, spec.kl_estimator), 0.0).sum(dim=1)
             for i, k in zip(part, kl.tolist()):
                 bonus[i] -= spec.kl_coef * k
     return bonus if any(bonus) else None
+
+
+def forward(trajs: Sequence[Trajectory], episodes: Sequence[int], spec: JobSpec, pad_id: int,
+            fn: RefLogprobs) -> list[tuple[list[int], Batch, torch.Tensor]]:
+    """`fn` (a model's per-token output, [B, T] per micro-batch) over `episodes` (indices
+    into `trajs`) in micro-batches of the job's size padded with `pad_id`: per
+    micro-batch, its episodes, the Batch and fn's tensor for it."""
+    idx = micro_batch_indices([len(trajs[i].token_ids) for i in episodes], spec.micro_batch_size,
+                              spec.micro_batch_tokens)
+    parts = [[episodes[k] for k in part] for part in idx]
+    batches = [build_batch([trajs[i] for i in part], [0.0] * len(part), pad_id) for part in parts]
+    return list(zip(parts, batches, fn(batches)))
+
+
+def _mask_out(trajs: Sequence[Trajectory], spec: JobSpec) -> list[bool] | None:
+    """[n] True for an episode that counts in its group's statistics but does not train:
+    with overlong_filter, one whose last turn was cut at the length limit (DAPO arXiv
+    2503.14476 §3.4); the seats another job's policy played (spec.opponents)."""
+    mask_out = None
+    if spec.overlong_filter:
+        mask_out = [bool(t.turns) and t.turns[-1].finish_reason == "length" for t in trajs]
+    if spec.opponents:
+        mask_out = [bool(t.policy_of) or bool(mask_out and mask_out[k]) for k, t in enumerate(trajs)]
+    return mask_out
 
 
 def advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: Sequence[float] | None) -> StepAdvantages:
@@ -96,13 +138,29 @@ def advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: Sequence[float
     A multi-agent group is one GRPO group per seat (ledger.by_seat orders it so): each
     seat's return is normalized against the same seat of the group's other games.
     Raises ValueError as step_advantages does."""
-    mask_out = None
-    if spec.overlong_filter:
-        mask_out = [bool(t.turns) and t.turns[-1].finish_reason == "length" for t in trajs]
-    if spec.opponents:
-        mask_out = [bool(t.policy_of) or bool(mask_out and mask_out[k]) for k, t in enumerate(trajs)]
     return step_advantages(trajs, spec.prompts_per_step * spec.agents, spec.group_size, spec.advantage,
-                           spec.turn_discount, spec.advantage_estimator, bonus, mask_out)
+                           spec.turn_discount, spec.advantage_estimator, bonus, _mask_out(trajs, spec))
+
+
+def critic_advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: Sequence[float] | None, pad_id: int,
+                      values: ValueFn | None) -> tuple[StepAdvantages, CriticTargets]:
+    """PPO with a critic (advantage_estimator "gae"): each trained episode's per-token
+    GAE advantages, whitened over the step, with the returns and values the critic trains
+    on (gae.gae_targets, gamma spec.gae_gamma, lambda spec.gae_lambda, `bonus` on each
+    episode's last reward). The critic's values come from `values` over the trained
+    episodes (errors and _mask_out's left out). No group baseline: zero_groups are all
+    False. Raises ValueError when `values` is None."""
+    if values is None:
+        raise ValueError("advantage_estimator 'gae' needs the critic's values (values)")
+    mask_out = _mask_out(trajs, spec)
+    excluded = [bool(t.error) or bool(mask_out and mask_out[i]) for i, t in enumerate(trajs)]
+    token_values = [[0.0] * len(t.token_ids) for t in trajs]
+    for part, _, v in forward(trajs, [i for i, ex in enumerate(excluded) if not ex], spec, pad_id, values):
+        for row, i in enumerate(part):
+            n = len(trajs[i].token_ids)
+            token_values[i][1:] = v[row, : n - 1].tolist()  # column j: the value of token j + 1
+    targets = gae_targets(trajs, token_values, excluded, spec.gae_gamma, spec.gae_lambda, bonus)
+    return StepAdvantages(targets.advantages, excluded, [False] * (len(trajs) // spec.group_size)), targets
 
 
 def distill(trajs: Sequence[Trajectory], spec: JobSpec, adv: StepAdvantages) -> tuple[StepAdvantages, dict]:
@@ -127,7 +185,7 @@ def skipped_episodes(adv: StepAdvantages, spec: JobSpec) -> list[bool]:
 
 
 def plan_step(trajs: Sequence[Trajectory], spec: JobSpec, step: int, pad_id: int,
-              ref_logprobs: RefLogprobs | None = None) -> StepPlan:
+              ref_logprobs: RefLogprobs | None = None, values: ValueFn | None = None) -> StepPlan:
     """Step `step` (0-based) of a GRPO job over its trajectories `trajs` (groups of
     spec.group_size in group order, [prompts_per_step * agents * group_size]).
 
@@ -140,9 +198,16 @@ def plan_step(trajs: Sequence[Trajectory], spec: JobSpec, step: int, pad_id: int
     hold at most spec.micro_batch_size episodes and spec.micro_batch_tokens padded
     tokens (batching.micro_batches), padded with `pad_id`. ref_logprobs: as in
     reward_bonus (needed only with kl_in_reward). Raises ValueError as reward_bonus and
-    step_advantages do.
+    step_advantages do. values: the critic's (critic_advantages), needed with
+    advantage_estimator "gae"; the micro-batches then carry its values and returns.
     """
-    adv, distilled = distill(trajs, spec, advantages(trajs, spec, reward_bonus(trajs, spec, pad_id, ref_logprobs)))
+    bonus = reward_bonus(trajs, spec, pad_id, ref_logprobs)
+    critic: CriticTargets | None = None
+    if spec.advantage_estimator == "gae":
+        adv, critic = critic_advantages(trajs, spec, bonus, pad_id, values)
+    else:
+        adv = advantages(trajs, spec, bonus)
+    adv, distilled = distill(trajs, spec, adv)
     skipped = skipped_episodes(adv, spec)
     trainable = [i for i, excluded in enumerate(adv.excluded) if not excluded]
     plan = plan_updates(trainable, skipped, [policy_tokens(t) for t in trajs], spec.mini_batches, spec.ppo_epochs,
@@ -151,7 +216,9 @@ def plan_step(trajs: Sequence[Trajectory], spec: JobSpec, step: int, pad_id: int
     owned: list[list[int]] = []  # per distinct mini-batch: its micro-batches' indices in `batches`
     for episodes in plan.mini_batches:
         built = micro_batches([trajs[i] for i in episodes], [adv.advantages[i] for i in episodes],
-                              spec.micro_batch_size, pad_id, max_tokens=spec.micro_batch_tokens)
+                              spec.micro_batch_size, pad_id, max_tokens=spec.micro_batch_tokens,
+                              values=critic and [critic.values[i] for i in episodes],
+                              returns=critic and [critic.returns[i] for i in episodes])
         owned.append(list(range(len(batches), len(batches) + len(built))))
         batches += built
     updates = [list(owned[u.mini_batch]) for u in plan.updates]

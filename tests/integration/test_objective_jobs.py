@@ -6,7 +6,8 @@ overlong penalty and CISPO's surrogate; REINFORCE++ with DRO's surrogate, a KL l
 entropy bonus, epochs x mini-batches, a warmed-up cosine learning rate and token-budget micro-batches; DAPO's
 dynamic sampling, replacing groups without signal by fresh prompts; a bfloat16 sampler
 beside the float32 learner, its gap measured and corrected; on-policy distillation from
-the base model's weights, and from another model (SmolLM2-135M teaching the tiny model).
+the base model's weights, and from another model (SmolLM2-135M teaching the tiny model);
+PPO with a critic (GAE, one episode a prompt).
 The formulas themselves are checked by hand in tests/unit/test_loss_options.py; here
 each family must run end to end and report what it should."""
 
@@ -51,6 +52,9 @@ FAMILIES = {
     "precision": dict(max_staleness=0, rollout_is="token", sampler_dtype="bfloat16", skip_zero_variance=False),
     # on-policy distillation from the base model's weights, the env's reward left out
     "distill": dict(max_staleness=0, teacher="base", distill_coef=1.0, distill_only=True),
+    # PPO with a critic: one episode a prompt, GAE over the critic's values, 2 epochs
+    "critic": dict(max_staleness=1, advantage_estimator="gae", group_size=1, prompts_per_step=4, critic_lr=1e-3,
+                   gae_lambda=0.95, ppo_epochs=2, checkpoint_every=1),
 }
 
 
@@ -107,8 +111,8 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
         assert sorted(steps) == [0, 1], fam
         for v in steps.values():
             assert all(math.isfinite(x) for x in v.values()), (fam, v)
-    a, c, r, u, d, p, t, tm = (train[f] for f in ("async", "clip", "reward", "updates", "dynamic", "precision",
-                                                  "distill", "distill-model"))
+    a, c, r, u, d, p, t, tm, v = (train[f] for f in ("async", "clip", "reward", "updates", "dynamic", "precision",
+                                                     "distill", "distill-model", "critic"))
     # async: step 1 was sampled by policy 0 while step 0 trained, and corrected for it
     assert a[1]["policy_lag_max"] == 1 and a[0]["policy_lag_max"] == 0
     assert 0 < a[1]["is_weight_mean"] <= 4.0 and a[1]["mismatch_kl"] >= 0, a
@@ -134,6 +138,12 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     gap = {f: max(v["mismatch_kl"] for v in steps.values()) for f, steps in (("bf16", p), ("fp32", d))}
     assert all(v["policy_lag_max"] == 0 and v["mismatch_kl"] > 0 for v in p.values()), p
     assert gap["bf16"] > 100 * gap["fp32"], gap
+    # PPO with a critic: both trained each step (2 epochs), no group to skip, the value
+    # statistics reported; the step-1 batch was sampled by policy 0 (asynchronous)
+    for s in (0, 1):
+        assert v[s]["updates"] == 2 and v[s]["zero_variance_frac"] == 0 and v[s]["episodes"] == 4, v[s]
+        assert v[s]["critic_grad_norm"] > 0 and v[s]["value_loss"] > 0 and "value_explained_var" in v[s], v[s]
+    assert v[1]["policy_lag_max"] == 1
     # distillation: the rollout worker scored every policy token by the base weights; at
     # policy version 0 those sampled it (KL 0 up to the engines' numerics), after one
     # update they no longer did

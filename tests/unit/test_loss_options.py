@@ -585,7 +585,7 @@ def test_k3_does_not_overflow():
 def test_a_step_that_forwarded_no_token_reports_no_token_statistics():
     """Issue 31: a step whose groups were all skipped reported entropy 0, IS weight 0 and
     KL 0, and the plots dived to 0 on it."""
-    from opentinker.services.learner.job import TOKEN_STATS, token_stats
+    from opentinker.services.learner.step import TOKEN_STATS, token_stats
 
     zeros = {k: 0.0 for k in (*TOKEN_STATS, "tokens")}
     assert token_stats(zeros) == {}

@@ -98,7 +98,6 @@ def test_job_spec_section_sets_any_field_last():
 
 
 @pytest.mark.parametrize("config, key", [
-    ({"adv_estimator": "gae"}, "adv_estimator"),
     ({"adv_estimator": "ppo_magic"}, "adv_estimator"),
     ({"lora": {"lora_rank": 8, "exclude_modules": ["lm_head"]}}, "lora.exclude_modules"),
     ({"lora": {"lora_rank": 8, "lora_adapter_path": "/x"}}, "lora.lora_adapter_path"),
@@ -271,8 +270,8 @@ def test_submit_job_reserves_an_id_and_a_cancelled_reservation_never_trains():
     with pytest.raises(RuntimeError, match="cancelled before fit"):
         ServiceClient(server_url=got["server_url"]).fit(env=env, num_steps=1)
     assert not env.serving
-    with pytest.raises(ValueError, match="gae"):
-        scheduler.submit_job(config={"adv_estimator": "gae"})
+    with pytest.raises(ValueError, match="ppo_magic"):
+        scheduler.submit_job(config={"adv_estimator": "ppo_magic"})
     with pytest.raises(NotImplementedError, match="ServiceClient"):
         HTTPTrainingClient("http://127.0.0.1:9")
 
@@ -351,3 +350,18 @@ def test_run_inference_reads_the_dataset_and_needs_the_token(model_server, math_
         run_inference(game_class=AddGame, vllm_server_url=url, max_samples=1)
     with pytest.raises(ValueError, match="no endpoint"):
         run_inference(game_class=AddGame, model_path="some/model", max_samples=1)
+
+
+def test_upstream_gae_config_trains_a_critic_one_episode_a_prompt(caplog):
+    """upstream's android_world_param.yaml: adv_estimator "gae" (PPO with a critic) with
+    rollout_n 1; upstream's server samples one episode a prompt for gae whatever
+    rollout_n says, and so does the mapping."""
+    aw = {"batch_size": 4, "num_steps": 1000, "temperature": 1, "top_p": 1, "max_new_tokens": 8192,
+          "max_prompt_tokens": 4096, "algorithm": "agent_loop", "adv_estimator": "gae", "rollout_n": 1,
+          "interaction": {"name": "android_world", "config": {"max_steps": 20, "max_total_steps": 20}}}
+    spec, _ = job_spec_from_config(aw)
+    assert (spec.advantage_estimator, spec.advantage, spec.group_size, spec.prompts_per_step) == \
+        ("gae", "episode", 1, 4)
+    with caplog.at_level("INFO", logger="opentinker.client"):
+        spec, _ = job_spec_from_config({**aw, "rollout_n": 8})
+    assert spec.group_size == 1 and "rollout_n 8 -> 1" in caplog.text
