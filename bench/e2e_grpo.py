@@ -89,7 +89,8 @@ SPAN_LOGS = ("scheduler", "envhost", "recorder", "rollout", "learner")
 # the learning side of each step, kept per step to compare a lagging run with another
 # (behaviour correction, policy drift, exploration); None where a step lacks one
 PER_STEP_METRICS = ("entropy", "mismatch_kl", "is_weight_mean", "is_capped_frac", "policy_lag_mean",
-                    "grad_norm", "approx_kl", "clip_frac", "zero_variance_frac", "gen_tokens_mean", "loss")
+                    "grad_norm", "approx_kl", "clip_frac", "zero_variance_frac", "gen_tokens_mean", "loss",
+                    "value_loss", "value_explained_var", "value_mean", "return_mean")  # the last 4: with a critic
 
 
 def opentinker_spec(base: dict[str, Any], system: str, steps: int, eval_episodes: int) -> dict[str, Any]:

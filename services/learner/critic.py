@@ -5,8 +5,8 @@ The critic is the job's model with a scalar head in place of the LM head
 (transformers' AutoModelForTokenClassification with one label, as verl's critic and
 OpenRLHF's value model), LoRA on the same modules as the policy (the head trained in
 full) or every parameter, in its own DeepSpeed engine with its own AdamW at
-`critic_lr`. It is initialized from the policy's weights, the head at random (verl's
-default). Its value of a state is its output at the state's last token, so its
+`critic_lr`. It is initialized from the policy's weights, its head at 0 (every value
+0 before the first update). Its value of a state is its output at the state's last token, so its
 [B, T] outputs are target-aligned like the policy's logprobs (column t: the value
 before token t + 1). It trains on the step's updates (PPO's epochs and
 mini-batches, the same micro-batches as the policy) with the clipped value loss
@@ -67,6 +67,17 @@ class CriticEngine(TrainEngine):
             model_path, config=config, dtype=torch.bfloat16 if self.dtype == "bfloat16" else torch.float32,
             **({"attn_implementation": attention} if attention else {}))
         model.config.use_cache = False
+        # the head starts at 0: every value 0, so the first step's advantages are the
+        # whitened returns, not the returns less a random head's output (on SmolLM2-135M
+        # the default init gave values of +-0.6 on 0/1 rewards and a negative explained
+        # variance for the first dozen steps)
+        head = getattr(model, "score", None) or getattr(model, "classifier", None)
+        if not isinstance(head, torch.nn.Linear):
+            raise ValueError(f"advantage_estimator: 'gae' found no linear value head on {spec.model!r}")
+        with torch.no_grad():
+            head.weight.zero_()
+            if head.bias is not None:
+                head.bias.zero_()
         if self.kind == "lora":
             from peft import LoraConfig, get_peft_model
 

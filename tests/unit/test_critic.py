@@ -51,12 +51,17 @@ def test_values_are_the_heads_outputs_before_each_policy_token(tiny_model, rank_
     try:
         b = build_batch(TRAJS[:3], [0.0] * 3, pair.pad_id)
         [v] = pair.values([b])
+        assert v.shape == b.input_ids.shape and v.dtype == torch.float32
+        assert torch.all(v == 0)  # the head starts at 0
+        plan = plan_step(TRAJS, pair.spec, 0, pair.pad_id, values=pair.values)
+        pair.train_step(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
+        [v] = pair.values([b])
         critic = pair.critic.module
         with torch.no_grad():
             full = critic(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[..., 0]
         keep = b.loss_mask > 0
-        assert v.shape == b.input_ids.shape and v.dtype == torch.float32
         assert torch.allclose(v[keep], full[keep].float()) and torch.all(v[~keep] == 0)
+        assert torch.all(v[keep] != 0)
         # LoRA on the policy's modules, the head in full: the head and the adapters train
         trainable = [n for n, p in critic.named_parameters() if p.requires_grad]
         assert any("score" in n for n in trainable) and any("lora_A" in n for n in trainable)
