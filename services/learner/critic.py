@@ -141,25 +141,19 @@ class CriticEngine(TrainEngine):
         sums = dict(loss=0.0, error=0.0, clipped=0.0, value=0.0, ret=0.0, tokens=0.0)
         grad_norm = 0.0
         self.engine.train()
-        for u, tot, lr in kept:
-            if lr is not None:
-                self.set_lr(lr)
-            for k, i in enumerate(u):
-                last = k == len(u) - 1
-                mb = micro_batches[i].to(self.device)
-                self.engine.set_gradient_accumulation_boundary(last)
-                out = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask, self.spec.value_clip,
-                                 aggregation_weights(mb.loss_mask, "token-mean", tot))
-                self.engine.backward(out.loss, scale_wrt_gas=False)
-                if last:
-                    grad_norm = self._grad_norm()
-                self.engine.step()
-                sums["loss"] += float(out.loss.detach())
-                sums["error"] += out.error_sum
-                sums["clipped"] += out.clipped_sum
-                sums["value"] += out.value_sum
-                sums["ret"] += float(torch.where(mb.loss_mask > 0, mb.returns, 0.0).sum())
-                sums["tokens"] += out.tokens
+        for _, _, _, last, mb, tot in self.micro_steps(micro_batches, kept):
+            out = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask, self.spec.value_clip,
+                             aggregation_weights(mb.loss_mask, "token-mean", tot))
+            self.engine.backward(out.loss, scale_wrt_gas=False)
+            if last:
+                grad_norm = self._grad_norm()
+            self.engine.step()  # DeepSpeed steps the optimizer at the update's last micro-batch
+            sums["loss"] += float(out.loss.detach())
+            sums["error"] += out.error_sum
+            sums["clipped"] += out.clipped_sum
+            sums["value"] += out.value_sum
+            sums["ret"] += float(torch.where(mb.loss_mask > 0, mb.returns, 0.0).sum())
+            sums["tokens"] += out.tokens
         ds_norm = self.engine.get_global_grad_norm()
         if ds_norm is not None:
             grad_norm = float(ds_norm)

@@ -244,55 +244,49 @@ class TrainEngine:
         t_fb = t_opt = 0.0
         self.engine.train()
         grad_norm = 0.0
-        for n_update, (u, tot, lr) in enumerate(kept):
-            if lr is not None:
-                self.set_lr(lr)
-            for k, i in enumerate(u):
-                last = k == len(u) - 1
-                mb = micro_batches[i].to(self.device)
-                self.engine.set_gradient_accumulation_boundary(last)
-                t0 = self._clock()
-                ref = self._ref_logprobs(mb, temperature) if cfg.kl_coef > 0 else None
-                with tracing.span("learner.forward_backward", attrs={"ot.micro_batch": k,
-                                                                     "ot.tokens": int(mb.input_ids.numel())}):
-                    logp, entropy = self._logprobs(self.engine, mb, temperature, entropy_grad=cfg.entropy_coef > 0)
-                    lp_prox = None
-                    if cfg.rollout_is != "none":
-                        lp_prox = prox[i].to(self.device) if prox[i] is not None else logp.detach()
-                    out = policy_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, cfg,
-                                      weights=aggregation_weights(mb.loss_mask, cfg.loss_agg, tot),
-                                      logp_prox=lp_prox, logp_ref=ref, entropy=entropy)
-                    # DeepSpeed averages gradients over the ranks: times world_size, the
-                    # ranks' sum is the whole update's gradient, as on one rank
-                    self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
-                t1 = self._clock()
-                t_fb += t1 - t0
-                if last:
-                    grad_norm = self._grad_norm()
-                # DeepSpeed steps the optimizer at the boundary (the update's last micro-batch)
-                with tracing.span("learner.optimizer" if last else "learner.accumulate"):
-                    self.engine.step()
-                t_opt += self._clock() - t1
-                sums["loss"] += float(out.loss.detach())
-                sums["clipped"] += out.clipped_sum
-                sums["approx_kl"] += out.approx_kl_sum
-                sums["kl"] += out.kl_sum
-                sums["entropy"] += out.entropy_sum
-                sums["is_w"] += out.is_weight_sum
-                sums["is_capped"] += out.is_capped_sum
+        for n_update, k, i, last, mb, tot in self.micro_steps(micro_batches, kept):
+            t0 = self._clock()
+            ref = self._ref_logprobs(mb, temperature) if cfg.kl_coef > 0 else None
+            with tracing.span("learner.forward_backward", attrs={"ot.micro_batch": k,
+                                                                 "ot.tokens": int(mb.input_ids.numel())}):
+                logp, entropy = self._logprobs(self.engine, mb, temperature, entropy_grad=cfg.entropy_coef > 0)
+                lp_prox = None
                 if cfg.rollout_is != "none":
-                    sums["mismatch"] += out.mismatch_kl_sum
-                    sums["mismatch_tokens"] += out.tokens
-                elif n_update == 0:
-                    # without the correction nothing computes the proximal logprobs, but
-                    # before the first optimizer step the current policy is the proximal
-                    # one, so its k3 against the sampler is the sampler/learner gap
-                    sums["mismatch"] += out.approx_kl_sum
-                    sums["mismatch_tokens"] += out.tokens
-                sums["tokens"] += out.tokens
-            ds_norm = self.engine.get_global_grad_norm()
-            if ds_norm is not None:
-                grad_norm = float(ds_norm)
+                    lp_prox = prox[i].to(self.device) if prox[i] is not None else logp.detach()
+                out = policy_loss(logp, mb.logprobs, mb.advantages, mb.loss_mask, cfg,
+                                  weights=aggregation_weights(mb.loss_mask, cfg.loss_agg, tot),
+                                  logp_prox=lp_prox, logp_ref=ref, entropy=entropy)
+                # DeepSpeed averages gradients over the ranks: times world_size, the
+                # ranks' sum is the whole update's gradient, as on one rank
+                self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
+            t1 = self._clock()
+            t_fb += t1 - t0
+            if last:
+                grad_norm = self._grad_norm()
+            # DeepSpeed steps the optimizer at the boundary (the update's last micro-batch)
+            with tracing.span("learner.optimizer" if last else "learner.accumulate"):
+                self.engine.step()
+            t_opt += self._clock() - t1
+            sums["loss"] += float(out.loss.detach())
+            sums["clipped"] += out.clipped_sum
+            sums["approx_kl"] += out.approx_kl_sum
+            sums["kl"] += out.kl_sum
+            sums["entropy"] += out.entropy_sum
+            sums["is_w"] += out.is_weight_sum
+            sums["is_capped"] += out.is_capped_sum
+            if cfg.rollout_is != "none":
+                sums["mismatch"] += out.mismatch_kl_sum
+                sums["mismatch_tokens"] += out.tokens
+            elif n_update == 0:
+                # without the correction nothing computes the proximal logprobs, but
+                # before the first optimizer step the current policy is the proximal
+                # one, so its k3 against the sampler is the sampler/learner gap
+                sums["mismatch"] += out.approx_kl_sum
+                sums["mismatch_tokens"] += out.tokens
+            sums["tokens"] += out.tokens
+        ds_norm = self.engine.get_global_grad_norm()  # the last update's
+        if ds_norm is not None:
+            grad_norm = float(ds_norm)
         if self.world_size > 1:  # every rank's share of the sums
             keys = list(sums)
             t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
@@ -317,6 +311,21 @@ class TrainEngine:
             "fwd_bwd_s": t_fb,
             "optimizer_s": t_opt,
         }
+
+    def micro_steps(self, micro_batches: Sequence[Batch],
+                    kept: Sequence[tuple[Sequence[int], AggTotals, float | None]]):
+        """Each update's micro-batches in order, as (update index, position in the update,
+        index into `micro_batches`, whether it is the update's last, the batch on the
+        device, the update's totals): the update's learning rate set (None: unchanged)
+        before its first, DeepSpeed's gradient-accumulation boundary at its last.
+        kept: per update, (micro-batch indices, totals, lr)."""
+        for n, (u, tot, lr) in enumerate(kept):
+            if lr is not None:
+                self.set_lr(lr)
+            for k, i in enumerate(u):
+                last = k == len(u) - 1
+                self.engine.set_gradient_accumulation_boundary(last)
+                yield n, k, i, last, micro_batches[i].to(self.device), tot
 
     def sft_step(self, batches: Sequence[Batch]) -> dict[str, float]:
         """One supervised optimizer step: mean negative log-likelihood of the loss-mask

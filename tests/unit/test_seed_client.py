@@ -10,6 +10,8 @@ import threading
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from pathlib import Path
+
 import pytest
 
 from opentinker.client.utils.config import ALL_LINEAR, ConfigError, env_name, job_spec_from_config
@@ -353,15 +355,17 @@ def test_run_inference_reads_the_dataset_and_needs_the_token(model_server, math_
 
 
 def test_upstream_gae_config_trains_a_critic_one_episode_a_prompt(caplog):
-    """upstream's android_world_param.yaml: adv_estimator "gae" (PPO with a critic) with
-    rollout_n 1; upstream's server samples one episode a prompt for gae whatever
-    rollout_n says, and so does the mapping."""
-    aw = {"batch_size": 4, "num_steps": 1000, "temperature": 1, "top_p": 1, "max_new_tokens": 8192,
-          "max_prompt_tokens": 4096, "algorithm": "agent_loop", "adv_estimator": "gae", "rollout_n": 1,
-          "interaction": {"name": "android_world", "config": {"max_steps": 20, "max_total_steps": 20}}}
+    """upstream's android_world_param.yaml, verbatim: adv_estimator "gae" (PPO with a
+    critic) with rollout_n 1; upstream's server samples one episode a prompt for gae
+    whatever rollout_n says, and so does the mapping."""
+    from omegaconf import OmegaConf
+
+    aw = OmegaConf.load(Path(__file__).resolve().parents[1] / "fixtures" / "upstream_client" / "client_config"
+                        / "android_world_param.yaml")
     spec, _ = job_spec_from_config(aw)
     assert (spec.advantage_estimator, spec.advantage, spec.group_size, spec.prompts_per_step) == \
         ("gae", "episode", 1, 4)
+    aw.rollout_n = 8
     with caplog.at_level("INFO", logger="opentinker.client"):
-        spec, _ = job_spec_from_config({**aw, "rollout_n": 8})
+        spec, _ = job_spec_from_config(aw)
     assert spec.group_size == 1 and "rollout_n 8 -> 1" in caplog.text
