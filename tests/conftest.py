@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -252,6 +253,20 @@ class Services:
         each (an assertion's message), or whole with tail=None (what a test searches)."""
         return "\n".join(f"=== {f.name}\n{f.read_text()[-tail if tail else 0:]}"
                          for f in sorted(self.log_dir.glob("*.log")))
+
+    def dump_stacks(self, timeout_s: float = 10.0) -> int:
+        """Ask every running service for its threads' and tasks' stacks (SIGUSR1,
+        runner.dump_stacks) and wait until they are in the logs; returns how many
+        answered. For a test whose job stalled: its assertion's logs then say what each
+        service was waiting for."""
+        live = [p for _, p in self.procs if p.poll() is None]
+        before = self.logs(None).count("stacks on request")
+        for p in live:
+            p.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout_s
+        while self.logs(None).count("stacks on request") < before + len(live) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.logs(None).count("stacks on request") - before
 
     def open_listeners(self) -> list[str]:
         """Every listening TCP socket of the running services and the processes they

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import shutil
+import signal
 import sys
+import tempfile
+import traceback
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from opentinker.services.core import tracing
 from opentinker.services.core.bus import Bus, install_signal_handlers
@@ -21,14 +26,16 @@ log = logging.getLogger("opentinker.runner")
 # a bus call retried across a NATS outage (bus.RETRY_FOR_S) would otherwise hold the
 # process for minutes, past any orchestrator's stop timeout.
 STOP_GRACE_S = 5.0  # so that a service stops within docker stop's default 10 s
+STACKS_SIGNAL = signal.SIGUSR1  # `kill -USR1 <pid>`: the service logs where it waits (dump_stacks)
 
 
 def run_service(service: str, body: Body, argv: list[str] | None = None) -> None:
     """Parse settings, set the thread count (limit_threads), connect to NATS, create the
     topology, run `body` until SIGINT/SIGTERM sets the stop event, then flush and close
     the connection (Bus.close); `body` still running STOP_GRACE_S after the signal is
-    cancelled. The process's temporary files go to a folder of its own, removed when it
-    stops (tmpdir.private_tmpdir)."""
+    cancelled. STACKS_SIGNAL logs where the service waits (dump_stacks). The process's
+    temporary files go to a folder of its own, removed when it stops
+    (tmpdir.private_tmpdir)."""
     settings = main_settings(service, argv)
     limit_threads(service, settings)
     scratch = private_tmpdir(service)
@@ -37,6 +44,7 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
     async def _main() -> None:
         stop = asyncio.Event()
         install_signal_handlers(stop)
+        asyncio.get_running_loop().add_signal_handler(STACKS_SIGNAL, dump_stacks, service)
         bus = await Bus.connect(settings.nats_url, service)
         try:
             await bus.ensure_topology(settings.stream_max_bytes_scale, settings.stream_max_age_scale,
@@ -50,6 +58,40 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
     finally:
         tracing.shutdown()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def await_chain(task: asyncio.Task) -> list[str]:
+    """Where `task` waits: its coroutine's frame, then the frame of each coroutine or
+    generator it awaits in turn (`cr_await`), as traceback lines, outermost first, and
+    last the future the task is suspended on. asyncio's own `Task.get_stack` stops at
+    the task's first frame."""
+    frames: list[tuple[Any, int]] = []
+    aw: Any = task.get_coro()
+    while aw is not None:
+        frame = getattr(aw, "cr_frame", None) or getattr(aw, "gi_frame", None) or getattr(aw, "ag_frame", None)
+        if frame is None:
+            break
+        frames.append((frame, frame.f_lineno))
+        aw = getattr(aw, "cr_await", None) or getattr(aw, "gi_yieldfrom", None) or getattr(aw, "ag_await", None)
+    lines = traceback.StackSummary.extract(iter(frames), lookup_lines=True).format()
+    waiter = getattr(task, "_fut_waiter", None)  # asyncio's, in its C and Python tasks alike
+    return lines + ([f"  suspended on {waiter!r}\n"] if waiter is not None and not task.done() else [])
+
+
+def dump_stacks(service: str) -> None:
+    """Log every thread's Python stack (faulthandler) and every asyncio task's await
+    chain (await_chain) at WARNING: what a service alive but silent is waiting for, e.g.
+    a rollout worker that stopped serving while its heartbeat went on. Runs in the event
+    loop (STACKS_SIGNAL's handler), so a loop blocked for good shows nothing here; the
+    late-heartbeat dump (core.pool) covers that case."""
+    with tempfile.TemporaryFile("w+") as f:  # faulthandler writes to a real file
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        threads = f.read()
+    tasks = "".join(f"task {t.get_name()}:\n" + "".join(await_chain(t))
+                    for t in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()))
+    log.warning("%s (pid %d): stacks on request (%s)\n%s\n%s", service, os.getpid(), STACKS_SIGNAL.name,
+                threads, tasks)
 
 
 async def run_until_stopped(work: Awaitable[None], stop: asyncio.Event, grace_s: float, service: str) -> None:

@@ -48,7 +48,11 @@ async def test_a_node_killed_mid_job_loses_no_step_and_no_trajectory(tmp_path, h
         victim.proc.send_signal(signal.SIGKILL)
         await asyncio.to_thread(victim.proc.wait, 10)
 
-        rec = await job.wait(timeout_s=600, raise_on_failure=False)
+        try:
+            rec = await job.wait(timeout_s=600, raise_on_failure=False)
+        except TimeoutError:  # a service stalled (once: the rollout worker): say where each one waits
+            services.dump_stacks()
+            raise AssertionError(f"job {job.id} not done 600 s after the kill\n{services.logs(30000)}") from None
         assert rec.state == JobState.COMPLETED, (rec.reason, services.logs())
         assert rec.attempt == 1, rec.history  # no job requeued over the node's loss
         assert all(p.poll() is None for p in procs), services.logs()
