@@ -192,17 +192,26 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     # the k most likely tokens and their logprobs at every prompt position after the first
     # (the last prompt_logprobs_last_n only, when set); 0: none
     topk_prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    # the k most likely tokens and their logprobs at every sampled position, under the raw
+    # distribution (SampledSequence.topk_*); 0: none
+    topk_sample_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
     # record_stability_info: the API service records the sequences under this key (echoed
     # in the TinkerSamples); "" records nothing
     record_key: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class SampledSequence(msgspec.Struct, frozen=True, kw_only=True):
-    """One completion: its tokens, the sampler's logprob of each, and why it ended."""
+    """One completion: its tokens, the sampler's logprob of each, and why it ended.
+    topk_k > 0 (TinkerSample.topk_sample_logprobs): topk_ids [n, k] int32 and
+    topk_logprobs [n, k] float32 (little-endian, row-major) of its n tokens' positions,
+    the k most likely tokens of the raw distribution there, most likely first."""
 
     tokens: list[TokenId]
     logprobs: list[float]
     stop_reason: Literal["stop", "length"]
+    topk_k: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK_LOGPROBS)] = 0
+    topk_ids: bytes = b""
+    topk_logprobs: bytes = b""
 
 
 class TinkerSamples(Message, frozen=True, kw_only=True):

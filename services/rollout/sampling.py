@@ -10,7 +10,9 @@ under the engine slot's lock; `num_samples` completions
 of the raw prompt tokens, cut at the first stop token or stop string (inclusive) once
 the lock is released (cut_at_stop); with
 `prompt_logprobs`, the prompt's token logprobs under the same policy (and with
-`topk_prompt_logprobs`, the k most likely tokens at each position). The answer,
+`topk_prompt_logprobs`, the k most likely tokens at each position; with
+`topk_sample_logprobs`, those at each sampled position, from one more pass over
+prompt + completion, sample_topk). The answer,
 or the reason there is none, goes to `ot.job.<sampler>.results.<seq_id>` (OT_TINKER),
 where the tinker service reads it; then the request is acked. The requests of one
 fetched batch for the same sampling session and weights (batch_key) share one engine
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import nats.errors
+import numpy as np
 from nats.aio.msg import Msg
 
 from opentinker.schemas import JobRecord, SamplingParams
@@ -97,11 +100,13 @@ def out_of_vocab(ids: list[int], tokenizer: Any) -> str:
 
 def sample_params(engine: Any, req: TinkerSample) -> SamplingParams:
     """The engine's sampling parameters for `req`. Raises ValueError for a prompt token
-    outside the vocabulary, or a prompt that leaves no room under max_model_len."""
+    outside the vocabulary, or a prompt that leaves no room under max_model_len (with
+    topk_sample_logprobs, one token less: the scoring pass over prompt + completion
+    must fit a vLLM engine, which needs room for a token after it)."""
     why = out_of_vocab(req.tokens, engine.tokenizer)
     if why:
         raise ValueError(f"prompt: {why}")
-    room = engine.max_model_len - len(req.tokens)
+    room = engine.max_model_len - len(req.tokens) - (1 if req.topk_sample_logprobs else 0)
     if not req.tokens or room < 1:
         raise ValueError(f"prompt: {len(req.tokens)} tokens (1 to {engine.max_model_len - 1} on this worker)")
     n = min(req.max_tokens, room)
@@ -129,12 +134,35 @@ def prompt_scores(engine: Any, req: TinkerSample) -> tuple[list[float], dict[str
     return prompt, topk
 
 
-Sampled = tuple[list[Any], list[float], dict[str, Any]]
+def sample_topk(engine: Any, prompt: list[int], completion: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens of the raw distribution (temperature 1, no top-p or
+    top-k, as topk_prompt_logprobs) at each of `completion`'s n positions after
+    `prompt`, and their logprobs, most likely first: (ids [n, k] int32, logprobs [n, k]
+    float32), from one teacher-forced pass over prompt + completion
+    (engine.prompt_logprobs_topk, whose row t is p(. | tokens[:t])). Raises ValueError
+    as that does."""
+    _, ids, lps = engine.prompt_logprobs_topk(list(prompt) + list(completion), k)
+    return ids[len(prompt):], lps[len(prompt):]
+
+
+def with_topk(seq: SampledSequence, topk: tuple[np.ndarray, np.ndarray] | None, k: int) -> SampledSequence:
+    """`seq` with the rows of `topk` (sample_topk of its uncut completion) for the
+    tokens it kept after cut_at_stop; `seq` itself when no top-k was asked."""
+    if topk is None:
+        return seq
+    n = len(seq.tokens)
+    return msgspec.structs.replace(seq, topk_k=k, topk_ids=topk[0][:n].astype("<i4").tobytes(),
+                                   topk_logprobs=topk[1][:n].astype("<f4").tobytes())
+
+
+# per request: completions, prompt logprobs, top-k prompt logprobs, per completion its top-k
+Sampled = tuple[list[Any], list[float], dict[str, Any], list[tuple[np.ndarray, np.ndarray] | None]]
 
 
 def samples_blocking(engine: Any, reqs: list[TinkerSample]) -> list[Sampled | ValueError]:
     """Per request of `reqs`, in order: its completions (agent_loop.GenOut, not yet cut
-    at the stops), prompt logprobs and top-k prompt logprobs (prompt_scores), or the
+    at the stops), prompt logprobs and top-k prompt logprobs (prompt_scores) and each
+    completion's top-k sample logprobs (sample_topk; None when not asked), or the
     ValueError that refuses it (sample_params) and no other. Every request's
     `num_samples` completions come from one engine.generate call, each prompt with its
     own request's parameters: one batch, where one call per request ran its decoding
@@ -157,7 +185,9 @@ def samples_blocking(engine: Any, reqs: list[TinkerSample]) -> list[Sampled | Va
     for i in served:
         mine, at = outs[at:at + reqs[i].num_samples], at + reqs[i].num_samples
         try:
-            got[i] = (mine, *prompt_scores(engine, reqs[i]))
+            k = reqs[i].topk_sample_logprobs
+            topk = [sample_topk(engine, reqs[i].tokens, o.token_ids, k) if k else None for o in mine]
+            got[i] = (mine, *prompt_scores(engine, reqs[i]), topk)
         except ValueError as e:
             got[i] = e
     return got  # type: ignore[return-value]
@@ -234,11 +264,13 @@ async def serve_samples(worker: RolloutWorker, rec: JobRecord, items: list[tuple
             if isinstance(g, ValueError):
                 results.append(answer(req, error=str(g), category="user"))
                 continue
-            outs, prompt, topk = g
+            outs, prompt, topk, seq_topk = g
             try:
                 # the stops are matched after the engine's lock is released (the engine
                 # slot is shared by every job of this base model)
-                seqs = await asyncio.to_thread(lambda: [cut_at_stop(o, req, slot.engine.tokenizer) for o in outs])
+                seqs = await asyncio.to_thread(lambda: [
+                    with_topk(cut_at_stop(o, req, slot.engine.tokenizer), t, req.topk_sample_logprobs)
+                    for o, t in zip(outs, seq_topk)])
             except Exception as e:  # what this request's stops set off fails it alone
                 log.exception("sample %s of job %s failed", req.seq_id, req.job_id)
                 results.append(answer(req, error=f"{type(e).__name__}: {e}", category="user"))

@@ -13,7 +13,7 @@ another user's run answers 404.
 A model's operation that cannot be taken once its seq_id is known (image inputs, a
 bad save name, ttl_seconds or user_metadata, stable_reinforce provenance that does not
 check out, an optimizer other than Adam) fails its own future, naming the field, in
-its place in the model's order; anything else refused is a 400 naming it (top-k sample
+its place in the model's order; anything else refused is a 400 naming it (target prompt
 logprobs, prompt alternative tokens, `stop=[]`, a run list's `project_id`, a session's or model's bad
 user_metadata). Not served (404, no route): the REST client's publishing, copies,
 external weights, whoami.
@@ -126,6 +126,7 @@ class SampleBody(_Body):
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
     prompt_alt_tokens_k: int = 0
+    target_prompt_logprobs: Any = None  # refused when set: not served
     record_stability_info: bool | None = None
 
 
@@ -362,9 +363,9 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict:
         user, b = await body(request, SampleBody)
-        for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
+        for field in ("target_prompt_logprobs", "prompt_alt_tokens_k"):
             if getattr(b, field):
-                raise ApiError(400, f"{field}: not served (topk_prompt_logprobs is)")
+                raise ApiError(400, f"{field}: not served (topk_prompt_logprobs and topk_sample_logprobs are)")
         tokens: list[int] = []
         for i, c in enumerate(b.prompt.chunks):
             if c.get("type") != "encoded_text":
@@ -382,6 +383,12 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
             raise ApiError(400, f"topk_prompt_logprobs: {k} for {len(tokens)} prompt tokens (0 to "
                                 f"{MAX_TOPK_LOGPROBS}, and at most {MAX_TOPK_ENTRIES} positions x k)")
         p = b.sampling_params
+        ks = b.topk_sample_logprobs
+        if ks and not (0 < ks <= MAX_TOPK_LOGPROBS and
+                       len(tokens) * k + b.num_samples * (p.max_tokens or 16) * ks <= MAX_TOPK_ENTRIES):
+            raise ApiError(400, f"topk_sample_logprobs: {ks} for {b.num_samples} samples of up to "
+                                f"{p.max_tokens or 16} tokens (0 to {MAX_TOPK_LOGPROBS}, and at most "
+                                f"{MAX_TOPK_ENTRIES} positions x k, the prompt's top-k included)")
         try:
             stop_tokens, stop_strings = wire.stops(p.stop)
             req = msgspec.convert(dict(job_id="", sampler=b.sampling_session_id, seq_id=b.seq_id, tokens=tokens,
@@ -389,7 +396,8 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
                                        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                        stop_tokens=stop_tokens,
                                        stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs,
-                                       prompt_logprobs_last_n=last_n or 0, topk_prompt_logprobs=k),
+                                       prompt_logprobs_last_n=last_n or 0, topk_prompt_logprobs=k,
+                                       topk_sample_logprobs=ks),
                                   TinkerSample)
         except (wire.WireError, msgspec.ValidationError) as e:
             raise ApiError(400, str(e)) from None

@@ -326,14 +326,18 @@ def forward_backward_output(r: TinkerResult) -> bytes:
 
 def sample_response(r) -> bytes:
     """The serialized tinker_public.SampleResponse of a TinkerSamples: per sequence its
-    int32 tokens, float32 logprobs and stop reason; the prompt logprobs (NaN first); the
-    top-k prompt logprobs (a TopkLogprobs of the prompt's length by k)."""
+    int32 tokens, float32 logprobs, stop reason and (when asked) top-k sample logprobs
+    (a TopkLogprobs of its length by k); the prompt logprobs (NaN first); the top-k
+    prompt logprobs (a TopkLogprobs of the prompt's length by k)."""
     pb = _pb()
     out = pb.SampleResponse()
     for s in r.sequences:
         seq = out.sequences.add(stop_reason=pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH)
         seq.tokens = np.asarray(s.tokens, "<i4").tobytes()
         seq.logprobs = np.asarray(s.logprobs, "<f4").tobytes()
+        if s.topk_k:
+            seq.topk_sampled_logprobs.CopyFrom(pb.TopkLogprobs(token_ids=s.topk_ids, logprobs=s.topk_logprobs,
+                                                               k=s.topk_k, length=len(s.tokens)))
     if r.prompt_logprobs:
         out.prompt_logprobs = np.asarray(r.prompt_logprobs, "<f4").tobytes()
     if r.topk_k:

@@ -221,6 +221,18 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services, job_id):
         assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["detail"]
         r = await http.post("/api/v1/get_info", content=b"{", headers=bob)
         assert r.status_code == 400
+        # what sampling does not serve, or not that much of, is refused naming it (a
+        # field the API did not know was ignored: the answer lacked what was asked)
+        sample = {"sampling_session_id": "x", "seq_id": 0, "sampling_params": {"max_tokens": 16},
+                  "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}}
+        for extra, field in (({"target_prompt_logprobs": {"data": [1], "dtype": "int64", "shape": [1, 1]}},
+                              "target_prompt_logprobs"), ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+                             ({"topk_sample_logprobs": 21}, "topk_sample_logprobs"),
+                             ({"topk_sample_logprobs": -1}, "topk_sample_logprobs"),
+                             ({"topk_sample_logprobs": 20, "num_samples": 256, "sampling_params": {"max_tokens": 64}},
+                              "topk_sample_logprobs")):
+            r = await http.post("/api/v1/asample", json={**sample, **extra}, headers=bob)
+            assert r.status_code == 400 and r.json()["detail"].startswith(f"{field}:"), (extra, r.text)
 
     def bob_loads_alices_save(sc):
         with pytest.raises(tinker.NotFoundError, match="no model"):
@@ -341,8 +353,9 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
         eos = tok.eos_token_id
         one = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=2, include_prompt_logprobs=True,
                                   sampling_params=tinker.SamplingParams(max_tokens=6, stop=[eos])).result()
-        # top_k = 1 leaves one token per step: greedy, each sampled logprob 0 (the processed distribution's)
-        top1 = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=4,
+        # top_k = 1 leaves one token per step: greedy, each sampled logprob 0 (the processed
+        # distribution's); the top-k sample logprobs are the raw distribution's
+        top1 = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=4, topk_sample_logprobs=3,
                                    sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0,
                                                                          top_k=1)).result()
         # an RL loop's burst of calls (each a future, none waited for before the next):
@@ -382,6 +395,10 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
     assert all(x is None for x in suffix[:-3]) and suffix[-3:] == pytest.approx(scored[-3:], abs=1e-4)
     assert len({tuple(s.tokens) for s in top1.sequences}) == 1
     assert all(lp == pytest.approx(0.0, abs=1e-4) for s in top1.sequences for lp in s.logprobs)
+    for s in top1.sequences:  # greedy: each sampled token is its position's most likely
+        assert [row[0][0] for row in s.topk_logprobs] == s.tokens, (s.tokens, s.topk_logprobs)
+        assert all(len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1] for row in s.topk_logprobs)
+    assert one.sequences[0].topk_logprobs is None  # not asked
 
 
 def provenance_datum(prompt: list[int], seq, advantage: float, sid: str | None = None) -> "tinker.Datum":

@@ -2,6 +2,7 @@
 at the first stop token or stop string, that token included; Tinker's `stop` field
 parses to token ids or strings (services/tinker/wire.py)."""
 
+import msgspec
 import pytest
 
 from opentinker.schemas.tinker import TinkerSample
@@ -126,3 +127,38 @@ def test_one_batch_of_sample_calls_is_one_engine_call_and_a_bad_one_fails_alone(
     # one user's session on one set of weights per batch: another sampler is another batch
     other = TinkerSample(job_id="j", sampler="ts-0123456789-s1", seq_id=0, tokens=[1])
     assert batch_key(reqs[0]) == batch_key(reqs[4]) != batch_key(other)
+
+
+def test_top_k_sample_logprobs_are_the_raw_distributions_at_each_kept_token(tiny_model):
+    """Tinker's topk_sample_logprobs: at each sampled position the k most likely tokens
+    of the raw distribution, from one pass over prompt + completion, cut with the
+    completion at its stop. Greedy samples are each row's most likely token."""
+    import numpy as np
+
+    from opentinker.services.rollout.engine_hf import HFEngine
+    from opentinker.services.rollout.sampling import cut_at_stop, samples_blocking, with_topk
+
+    eng = HFEngine(tiny_model, seed=3)
+    prompt = [5, 6, 7]
+    greedy = TinkerSample(job_id="j", sampler="ts-0123456789-s0", seq_id=0, tokens=prompt, num_samples=2,
+                          max_tokens=6, temperature=0.0, topk_sample_logprobs=3)
+    plain = TinkerSample(job_id="j", sampler="ts-0123456789-s0", seq_id=1, tokens=prompt, max_tokens=6)
+    full = TinkerSample(job_id="j", sampler="ts-0123456789-s0", seq_id=2, tokens=[9] * (eng.max_model_len - 1),
+                        topk_sample_logprobs=2)
+    (outs, _, _, topk), (_, _, _, none), refused = samples_blocking(eng, [greedy, plain, full])
+    assert none == [None] and isinstance(refused, ValueError) and "tokens (1 to" in str(refused)
+    for o, (ids, lps) in zip(outs, topk):
+        n = len(o.token_ids)
+        assert ids.shape == lps.shape == (n, 3) and ids.dtype == np.int32 and lps.dtype == np.float32
+        assert ids[:, 0].tolist() == o.token_ids  # greedy: the most likely token each time
+        assert (np.diff(lps, axis=1) <= 0).all() and (lps <= 0).all()
+        # the raw logprob of each sampled token, scored apart
+        scored = eng.prompt_logprobs([prompt + o.token_ids])[0][len(prompt):]
+        assert np.allclose(lps[:, 0], scored, atol=1e-4), (lps[:, 0], scored)
+    # a stop cuts the rows with the tokens
+    o = outs[0]
+    cut = cut_at_stop(o, msgspec.structs.replace(greedy, stop_tokens=[o.token_ids[1]]), eng.tokenizer)
+    seq = with_topk(cut, topk[0], 3)
+    assert len(seq.tokens) <= 2 and seq.topk_k == 3
+    assert np.frombuffer(seq.topk_ids, "<i4").reshape(-1, 3).tolist() == topk[0][0][:len(seq.tokens)].tolist()
+    assert with_topk(cut, None, 0) is cut

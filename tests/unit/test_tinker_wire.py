@@ -174,3 +174,19 @@ def test_top_k_prompt_logprobs_decode_in_the_sdk_with_the_first_row_empty():
     assert got.topk_prompt_logprobs == [None, [(7, -0.5), (3, -1.25)], [(5, -0.125), (9, -3.0)]]
     assert deserialize_sample_response(wire.sample_response(
         TinkerSamples(sampler="ts-0123456789-s0", seq_id=1))).topk_prompt_logprobs is None
+
+
+def test_top_k_sample_logprobs_decode_in_the_sdk_per_sequence():
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    from opentinker.schemas.tinker import SampledSequence, TinkerSamples
+
+    ids = np.array([[4, 8], [6, 1]], np.int32)
+    lps = np.array([[-0.25, -2.0], [-0.5, -0.75]], np.float32)
+    r = TinkerSamples(sampler="ts-0123456789-s0", seq_id=1, sequences=[
+        SampledSequence(tokens=[4, 1], logprobs=[-0.25, -0.75], stop_reason="length", topk_k=2,
+                        topk_ids=ids.tobytes(), topk_logprobs=lps.tobytes()),
+        SampledSequence(tokens=[3], logprobs=[-1.0], stop_reason="stop")])
+    a, b = deserialize_sample_response(wire.sample_response(r)).sequences
+    assert a.topk_logprobs == [[(4, -0.25), (8, -2.0)], [(6, -0.5), (1, -0.75)]]
+    assert b.topk_logprobs is None and b.tokens == [3]
