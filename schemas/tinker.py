@@ -55,6 +55,14 @@ TOPK_MASK_LOGPROB = -99999.0  # an empty top-k entry (id 0), as the SDK's types/
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 # what save_state / save_weights_for_sampler names may be (a path segment, never "..")
 CHECKPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+
+
+def overwrite_refused(name: str) -> str:
+    """Why a save_state of `name` without `overwrite` fails when the model has a save of
+    that name (the SDK's save_state: overwrite=True replaces it)."""
+    return f"path: the model has a save named {name!r}; save_state(..., overwrite=True) replaces it"
+
+
 # a record key: the session, then 32 random hex digits (unguessable); a sequence id is
 # `<record key>.<i>`, the i-th sequence the sample returned
 RECORD_KEY_RE = re.compile(r"^ts-[0-9a-f]{10}\.[0-9a-f]{32}$")
@@ -111,7 +119,8 @@ class TinkerOp(Message, frozen=True, kw_only=True):
     op: "forward" (logprobs and loss, no gradient), "forward_backward" (also adds the
         loss's gradient to the accumulated one), "optim_step" (one AdamW step with
         `adam` on the accumulated gradient, then clears it), "save_state" (weights and
-        optimizer state under `name`), "save_sampler" (weights for sampling under
+        optimizer state under `name`; an existing save of that name is replaced only
+        with `overwrite`, as Tinker's save_state), "save_sampler" (weights for sampling under
         `name`), "load_state" (from `path`, with the optimizer state when `optimizer`),
         "close" (the session ends; the job completes).
     data / loss_fn / loss_fn_config: for forward and forward_backward.
@@ -130,6 +139,7 @@ class TinkerOp(Message, frozen=True, kw_only=True):
     name: str = ""
     path: str = ""
     optimizer: bool = False
+    overwrite: bool = False
     error: str = ""
     # save_sampler for save_weights_and_get_sampling_client: the sampling session to open
     # on the saved weights (-1: none, a named save)

@@ -310,6 +310,13 @@ class Bus:
         meta = api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=OBJ_CHUNK_BYTES))
         await self._retry(f"put object {bucket}/{name}", store.put, name, data, meta=meta)
 
+    async def has_object(self, bucket: str, name: str) -> bool:
+        """Whether `bucket` holds an object `name` (a deleted one is not there)."""
+        with contextlib.suppress(NotFoundError):
+            store = await self.objects(bucket)
+            return not (await self._retry(f"object info {bucket}/{name}", store.get_info, name)).deleted
+        return False
+
     async def get_object(self, bucket: str, name: str) -> bytes:
         """The bytes stored under `name`. Raises nats.js.errors.ObjectNotFoundError."""
         store = await self.objects(bucket)
@@ -589,12 +596,3 @@ class Bus:
                     continue
                 with contextlib.suppress(nats.errors.Error):  # an ack lost in an outage: redelivered
                     await m.ack()
-
-
-def install_signal_handlers(stop: asyncio.Event) -> None:
-    """SIGINT/SIGTERM set `stop` (nats.py's examples' pattern)."""
-    import signal
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from opentinker.services.core import tracing
-from opentinker.services.core.bus import Bus, install_signal_handlers
+from opentinker.services.core.bus import Bus
 from opentinker.services.core.config import Settings, main_settings, thread_count, thread_env
 from opentinker.services.core.tmpdir import private_tmpdir
 
@@ -43,8 +43,7 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
 
     async def _main() -> None:
         stop = asyncio.Event()
-        install_signal_handlers(stop)
-        asyncio.get_running_loop().add_signal_handler(STACKS_SIGNAL, dump_stacks, service)
+        install_signal_handlers(stop, service)
         bus = await Bus.connect(settings.nats_url, service)
         try:
             await bus.ensure_topology(settings.stream_max_bytes_scale, settings.stream_max_age_scale,
@@ -58,6 +57,15 @@ def run_service(service: str, body: Body, argv: list[str] | None = None) -> None
     finally:
         tracing.shutdown()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def install_signal_handlers(stop: asyncio.Event, service: str) -> None:
+    """SIGINT/SIGTERM set `stop` (nats.py's examples' pattern); STACKS_SIGNAL logs
+    where `service` waits (dump_stacks)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(STACKS_SIGNAL, dump_stacks, service)
 
 
 def await_chain(task: asyncio.Task) -> list[str]:

@@ -155,14 +155,14 @@ def start_in_thread(envs: dict[str, type[AbstractGame]], *, nats_url: str | None
 def run_cli(envs: dict[str, type[AbstractGame]], argv: list[str] | None = None) -> None:
     """`opentinker envhost --env ...` as a tenant (no service credentials, an API key):
     serve until SIGINT/SIGTERM. Settings as every service: [--config FILE] [KEY=VALUE]."""
-    from opentinker.services.core.bus import install_signal_handlers
     from opentinker.services.core.config import main_settings
+    from opentinker.services.core.runner import install_signal_handlers
 
     settings = main_settings("envhost", argv)
 
     async def _main() -> None:
         stop = asyncio.Event()
-        install_signal_handlers(stop)
+        install_signal_handlers(stop, "envhost")
         await serve(envs, stop=stop, nats_url=default_nats_url(_explicit_url(settings)),
                     max_concurrency=settings.envhost_max_concurrency,
                     episode_ttl_s=settings.envhost_episode_ttl_s)

@@ -42,7 +42,7 @@ from nats.js.errors import NotFoundError
 
 from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, TinkerDatum, TinkerOp, TinkerResult, TinkerTensor,
-                                       sampler_object)
+                                       overwrite_refused, sampler_object)
 from opentinker.services.core import access
 from opentinker.services.learner import checkpoint
 from opentinker.services.learner.lifecycle import RunLifecycle
@@ -203,6 +203,10 @@ class TinkerRun(RunLifecycle):
             self.step += 1
             return TinkerResult(**r, metrics={f"{k}:mean": v for k, v in out.items()}, policy_version=self.version)
         if op.op == "save_state":
+            check_name(op.name)
+            if not op.overwrite and await self.bus.has_object(S.OBJ_CHECKPOINTS,
+                                                              checkpoint.object_name(self.job_id, op.name)):
+                raise OpError(overwrite_refused(op.name))  # a save of the name queued before this one
             await self.save_named(op.name)
             return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version)
         if op.op == "save_sampler":

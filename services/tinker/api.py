@@ -28,11 +28,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from opentinker.schemas.tinker import MAX_TOPK_ENTRIES, MAX_TOPK_LOGPROBS, AdamParams, TinkerOp, TinkerSample
+from opentinker.schemas.tinker import (MAX_TOPK_ENTRIES, MAX_TOPK_LOGPROBS, AdamParams, TinkerOp, TinkerSample,
+                                       overwrite_refused)
 from opentinker.services.core.models import DEFAULT_MODEL
 from opentinker.services.core.users import AuthError
 from opentinker.services.tinker import wire
-from opentinker.services.tinker.runs import Runs, check_scope, page
+from opentinker.services.tinker.runs import Runs, check_scope, object_of_checkpoint, page
 from opentinker.services.tinker.sessions import ApiError, Gateway
 
 PROTOBUF = "application/x-protobuf"
@@ -68,6 +69,7 @@ class CreateModelBody(_Body):
     base_model: str
     lora_config: LoraConfig | None = None
     user_metadata: Any = None
+    optimizer_config: Any = None  # checked: adamw_only
 
 
 class ModelBody(_Body):
@@ -88,6 +90,7 @@ class SaveBody(_Body):
     sampling_session_seq_id: int | None = None
     ttl_seconds: Any = None
     user_metadata: Any = None
+    overwrite: bool = False  # save_state's: replace a save of the same name
 
 
 class CreateSamplerBody(_Body):
@@ -138,6 +141,7 @@ class LoadBody(_Body):
     model_seq_id: int | None = None
     optimizer: bool = False
     user_metadata: Any = None
+    optimizer_config: Any = None  # checked: adamw_only
 
 
 class RetrieveBody(_Body):
@@ -146,6 +150,15 @@ class RetrieveBody(_Body):
 
 class WeightsInfoBody(_Body):
     tinker_path: str
+
+
+def adamw_only(optimizer_config: Any) -> None:
+    """Raises a 400 ApiError unless `optimizer_config` (a create_model's or
+    load_weights') is absent or AdamW's (`{"type": "adamw"}`, the SDK's default): the
+    learner steps with AdamW only (optim_step's adam_params)."""
+    kind = optimizer_config.get("type") if isinstance(optimizer_config, dict) else optimizer_config
+    if optimizer_config is not None and kind != "adamw":
+        raise ApiError(400, f"optimizer_config: only AdamW ({{'type': 'adamw'}}) is served, not {str(kind)[:64]!r}")
 
 
 def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
@@ -247,6 +260,7 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict:
         user, b = await body(request, CreateModelBody)
+        adamw_only(b.optimizer_config)
         lora = b.lora_config or LoraConfig()
         md = checked(wire.check_metadata, b.user_metadata)
         job_id = await gw.create_model(user, key_of(request), b.session_id, b.model_seq_id, b.base_model, lora.rank,
@@ -311,15 +325,19 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
             ttl_s, md = wire.check_ttl(b.ttl_seconds), wire.check_metadata(b.user_metadata)
         except wire.WireError as e:
             error = str(e)
+        if not error and kind == "save_state" and not b.overwrite and \
+                await gw.bus.has_object(*object_of_checkpoint(job_id, f"weights/{name}")):
+            error = overwrite_refused(name)  # checked again by the learner, in the model's order
         if not error:
             await runs.note_save(user, job_id, "weights" if kind == "save_state" else "sampler_weights", name,
                                  ttl_s, md)
-        return TinkerOp(job_id=job_id, seq_id=b.seq_id, op=kind, name=name, error=error,
+        return TinkerOp(job_id=job_id, seq_id=b.seq_id, op=kind, name=name, error=error, overwrite=b.overwrite,
                         sampling_session_seq_id=session)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
         user, b = await body(request, LoadBody)
+        adamw_only(b.optimizer_config)
         if b.model_id is None or b.seq_id is None:  # create_training_client_from_state
             if b.session_id is None or b.model_seq_id is None:
                 raise ApiError(400, "load_weights: model_id and seq_id, or session_id and model_seq_id")

@@ -234,6 +234,14 @@ async def test_keys_and_tenants(stack, tiny_model, bus, services, job_id):
             r = await http.post("/api/v1/asample", json={**sample, **extra}, headers=bob)
             assert r.status_code == 400 and r.json()["detail"].startswith(f"{field}:"), (extra, r.text)
 
+    def dimuon(sc):
+        return sc.create_lora_training_client(base_model=tiny_model, rank=4,
+                                              optimizer=tinker.types.DimuonOptimizerConfig()).result()
+
+    # another optimizer than AdamW is refused when the model is made (it was ignored)
+    with pytest.raises(tinker.BadRequestError, match="optimizer_config: only AdamW"):
+        await asyncio.to_thread(run_sdk, base, keys["bob"], dimuon)
+
     def bob_loads_alices_save(sc):
         with pytest.raises(tinker.NotFoundError, match="no model"):
             sc.create_training_client_from_state(path).result()
@@ -451,6 +459,16 @@ async def test_stable_reinforce_trains_on_recorded_samples_and_refuses_forged_or
             tc.save_state("bad-md", user_metadata={f"k{i}": "v" for i in range(33)}).result()
         with pytest.raises(tinker.RequestFailedError, match="user_metadata"):
             tc.save_state("bad-md", user_metadata={"k": "v" * 100_000}).result()
+        # a save of a name the model has is refused, its metadata left as it was, unless
+        # overwrite=True (it was replaced silently); two in flight: the second is refused
+        with pytest.raises(tinker.RequestFailedError, match=r"overwrite=True"):
+            tc.save_state("short-lived", user_metadata={"step": "2"}).result()
+        assert tc.save_state("twice", user_metadata={"n": "1"}, overwrite=True).result().path.endswith("/twice")
+        first, second = tc.save_state("again"), tc.save_state("again")
+        assert first.result().path.endswith("/again")
+        with pytest.raises(tinker.RequestFailedError, match=r"save named 'again'"):
+            second.result()
+        assert tc.save_state("twice", user_metadata={"n": "2"}, overwrite=True).result().path.endswith("/twice")
         return out, res, prompt, adv, tc.model_id, path
 
     out, res, prompt, adv, mid, path = await asyncio.to_thread(run_sdk, base, keys["alice"], first)
@@ -481,6 +499,8 @@ async def test_stable_reinforce_trains_on_recorded_samples_and_refuses_forged_or
     assert run.user_metadata == {"recipe_name": "rl_loop", "renderer_name": "role_colon"}
     (ckpt,) = [c for c in ckpts.checkpoints if c.tinker_path == path]
     assert ckpt.user_metadata == {"step": "1"} and 3590 < ckpt.expires_at.timestamp() - time.time() <= 3600
+    (twice,) = [c for c in ckpts.checkpoints if c.tinker_path.endswith("/weights/twice")]
+    assert twice.user_metadata == {"n": "2"}  # overwritten, metadata and all
 
     # a new session (a recipe resumed) names the old session's sequences: refused
     def second(sc):
