@@ -79,6 +79,11 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from opentinker.services.core.config import setup_cache_dirs
+
+    # the conversion imports torch in this process: its caches into the project home,
+    # as every service's (torch's inductor otherwise makes /tmp/torchinductor_<user>)
+    setup_cache_dirs(home())
     from opentinker.services.core.models import resolve_model
 
     print(resolve_model(args.model, home()))
