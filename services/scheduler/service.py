@@ -437,6 +437,10 @@ class Scheduler:
             live = await live_workers(self.bus, self.pool)
             recs = await self.records()
             settled = self.settled()
+            if settled and any(lost_workers(r, live) for r, _ in recs if not r.state.terminal):
+                # a worker is lost when a second listing misses it too: one listing once
+                # missed a worker that beat on time (a CI job requeued between two placements)
+                live = {**await live_workers(self.bus, self.pool), **live}
             for i, (rec, rev) in enumerate(recs):
                 lost = lost_workers(rec, live) if not rec.state.terminal and settled else []
                 if lost:

@@ -79,10 +79,12 @@ def _run(root: Path, env: dict, script: str, *overrides: str) -> subprocess.Comp
 
 
 async def _logged(world, job_id: str, n: int, columns: str) -> list[tuple]:
-    """`columns` of the job's train episodes in the trajectory log, once `n` are there
-    (conftest.log_rows: the recorder writes the log a moment after the job ends)."""
-    rows = await log_rows(world.data_dir, f"SELECT count(*) OVER (), {columns} FROM trajectories "
-                          f"WHERE job_id = '{job_id}' AND split = 'train' ORDER BY episode_id", n, timeout_s=60)
+    """`columns` of the episodes the job trained on (the log's `steps`: a job requeued
+    once also logged its first attempt's episodes), once `n` are there (conftest.log_rows:
+    the recorder writes the log a moment after the job ends)."""
+    rows = await log_rows(world.data_dir, f"SELECT count(*) OVER (), {columns} FROM trajectories JOIN steps "
+                          f"USING (job_id, step, request_id) WHERE job_id = '{job_id}' AND split = 'train' "
+                          "ORDER BY episode_id", n, timeout_s=60)
     return [row[1:] for row in rows]
 
 
