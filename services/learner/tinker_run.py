@@ -203,11 +203,7 @@ class TinkerRun(RunLifecycle):
             self.step += 1
             return TinkerResult(**r, metrics={f"{k}:mean": v for k, v in out.items()}, policy_version=self.version)
         if op.op == "save_state":
-            check_name(op.name)
-            if not op.overwrite and await self.bus.has_object(S.OBJ_CHECKPOINTS,
-                                                              checkpoint.object_name(self.job_id, op.name)):
-                raise OpError(overwrite_refused(op.name))  # a save of the name queued before this one
-            await self.save_named(op.name)
+            await self.save_named(op.name, op.overwrite)
             return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version)
         if op.op == "save_sampler":
             check_name(op.name)
@@ -241,10 +237,14 @@ class TinkerRun(RunLifecycle):
                           "a finished job's are deleted with its record (job_retention_days, "
                           "finished_jobs_per_user)")
 
-    async def save_named(self, name: str) -> None:
+    async def save_named(self, name: str, overwrite: bool) -> None:
         """Weights and optimizer state under `name` (checkpoint.object_name). Raises
-        OpError for a bad name or a user over store_bytes_per_user."""
+        OpError for a bad name, a name already saved without `overwrite` (a save of it
+        queued before this one: the API checked at submit) or a user over
+        store_bytes_per_user."""
         check_name(name)
+        if not overwrite and await self.bus.has_object(S.OBJ_CHECKPOINTS, checkpoint.object_name(self.job_id, name)):
+            raise OpError(overwrite_refused(name))
         await self.check_store_quota("save_state")
         state_dir = self.scratch / f"save-{name}"
         meta = {"job_id": self.job_id, "step": self.step, "policy_version": self.version,

@@ -145,13 +145,13 @@ def sample_topk(engine: Any, prompt: list[int], completion: list[int], k: int) -
     return ids[len(prompt):], lps[len(prompt):]
 
 
-def with_topk(seq: SampledSequence, topk: tuple[np.ndarray, np.ndarray] | None, k: int) -> SampledSequence:
+def with_topk(seq: SampledSequence, topk: tuple[np.ndarray, np.ndarray] | None) -> SampledSequence:
     """`seq` with the rows of `topk` (sample_topk of its uncut completion) for the
     tokens it kept after cut_at_stop; `seq` itself when no top-k was asked."""
     if topk is None:
         return seq
     n = len(seq.tokens)
-    return msgspec.structs.replace(seq, topk_k=k, topk_ids=topk[0][:n].astype("<i4").tobytes(),
+    return msgspec.structs.replace(seq, topk_k=topk[0].shape[1], topk_ids=topk[0][:n].astype("<i4").tobytes(),
                                    topk_logprobs=topk[1][:n].astype("<f4").tobytes())
 
 
@@ -269,7 +269,7 @@ async def serve_samples(worker: RolloutWorker, rec: JobRecord, items: list[tuple
                 # the stops are matched after the engine's lock is released (the engine
                 # slot is shared by every job of this base model)
                 seqs = await asyncio.to_thread(lambda: [
-                    with_topk(cut_at_stop(o, req, slot.engine.tokenizer), t, req.topk_sample_logprobs)
+                    with_topk(cut_at_stop(o, req, slot.engine.tokenizer), t)
                     for o, t in zip(outs, seq_topk)])
             except Exception as e:  # what this request's stops set off fails it alone
                 log.exception("sample %s of job %s failed", req.seq_id, req.job_id)

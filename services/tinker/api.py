@@ -401,16 +401,16 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
             raise ApiError(400, f"topk_prompt_logprobs: {k} for {len(tokens)} prompt tokens (0 to "
                                 f"{MAX_TOPK_LOGPROBS}, and at most {MAX_TOPK_ENTRIES} positions x k)")
         p = b.sampling_params
-        ks = b.topk_sample_logprobs
+        max_tokens, ks = p.max_tokens or 16, b.topk_sample_logprobs
         if ks and not (0 < ks <= MAX_TOPK_LOGPROBS and
-                       len(tokens) * k + b.num_samples * (p.max_tokens or 16) * ks <= MAX_TOPK_ENTRIES):
+                       len(tokens) * k + b.num_samples * max_tokens * ks <= MAX_TOPK_ENTRIES):
             raise ApiError(400, f"topk_sample_logprobs: {ks} for {b.num_samples} samples of up to "
-                                f"{p.max_tokens or 16} tokens (0 to {MAX_TOPK_LOGPROBS}, and at most "
+                                f"{max_tokens} tokens (0 to {MAX_TOPK_LOGPROBS}, and at most "
                                 f"{MAX_TOPK_ENTRIES} positions x k, the prompt's top-k included)")
         try:
             stop_tokens, stop_strings = wire.stops(p.stop)
             req = msgspec.convert(dict(job_id="", sampler=b.sampling_session_id, seq_id=b.seq_id, tokens=tokens,
-                                       num_samples=b.num_samples, max_tokens=p.max_tokens or 16,
+                                       num_samples=b.num_samples, max_tokens=max_tokens,
                                        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                        stop_tokens=stop_tokens,
                                        stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs,

@@ -158,7 +158,7 @@ def test_top_k_sample_logprobs_are_the_raw_distributions_at_each_kept_token(tiny
     # a stop cuts the rows with the tokens
     o = outs[0]
     cut = cut_at_stop(o, msgspec.structs.replace(greedy, stop_tokens=[o.token_ids[1]]), eng.tokenizer)
-    seq = with_topk(cut, topk[0], 3)
+    seq = with_topk(cut, topk[0])
     assert len(seq.tokens) <= 2 and seq.topk_k == 3
     assert np.frombuffer(seq.topk_ids, "<i4").reshape(-1, 3).tolist() == topk[0][0][:len(seq.tokens)].tolist()
-    assert with_topk(cut, None, 0) is cut
+    assert with_topk(cut, None) is cut
