@@ -249,6 +249,11 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     value_clip: Bounded(float, 0, 100, doc=(
         "epsilon of the critic's clipped value loss 0.5 max((V - R)^2, (clip(V, V_old +- epsilon) - R)^2) "
         "(verl's `critic.cliprange_value`); 0 = unclipped.")) = 0.5
+    critic_warmup: Bounded(int, 0, 1_000_000, doc=(
+        "With `gae`: the job's first N steps train the critic only, the policy unchanged (its weights published "
+        "again as the next version), so the policy's first update sees values fitted to its own returns "
+        "(verl's `trainer.critic_warmup`, which counts from 1: its N is N - 1 steps here); less than `steps`. "
+        "The learning-rate schedule counts these steps.")) = 0
     surrogate: Doc(Surrogate, (
         "The per-token objective (shared with the Tinker API's `loss_fn`): `ppo` the clipped surrogate "
         "(arXiv 1707.06347); `gspo` the same clip on the sequence's length-normalized ratio, each token keeping "
@@ -295,8 +300,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
         "k3's gradient is that of KL(ref || pi) and k2's that of KL(pi || ref) (arXiv 2506.09477); k3 is clamped "
         "as verl's `low_var_kl`.")) = "k3"
     kl_in_reward: Doc(bool, (
-        "Subtract `kl_coef` times the KL from each episode's reward instead of adding a loss term "
-        "(arXiv 2203.02155).")) = False
+        "Subtract `kl_coef` times the KL from the reward instead of adding a loss term (arXiv 2203.02155): "
+        "each episode's summed KL from its reward, or with a critic (`gae`) each token's KL from that token's "
+        "reward, as verl's `apply_kl_penalty`.")) = False
     entropy_coef: Bounded(float, 0, 10, doc=(
         "The weight of an entropy bonus, subtracted from the loss (Mnih et al. 2016, A3C, arXiv 1602.01783); "
         "0 = off.")) = 0.0
@@ -538,8 +544,12 @@ def _check_critic(spec: JobSpec) -> None:
            f"must be at least 2 (got {spec.group_size}): the group is GRPO's baseline; only "
            "advantage_estimator = 'gae' (a critic's baseline) samples one episode a prompt")
     if not gae:
+        _check(spec.critic_warmup == 0, "critic_warmup",
+               f"trains a critic, which only advantage_estimator = 'gae' has (got {spec.advantage_estimator!r})")
         return
     _check(spec.algorithm == "grpo", "advantage_estimator", f"'gae' is for RL jobs (algorithm {spec.algorithm!r})")
+    _check(spec.critic_warmup < spec.steps, "critic_warmup",
+           f"{spec.critic_warmup} steps of a {spec.steps}-step job: the policy would never train")
     _check(spec.learner_ranks == 1, "learner_ranks",
            f"a job with a critic (advantage_estimator = 'gae') trains on one rank (got {spec.learner_ranks})")
     _check(spec.advantage == "episode", "advantage",

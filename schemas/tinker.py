@@ -78,9 +78,20 @@ Metadata = dict[str, str]
 RECORDED_INPUTS = ("recorded_logprobs", "recorded_sequence")
 
 
+# the folders of a tinker job's saves under its job id: save_state's (store
+# `ot_checkpoints`) and save_weights_for_sampler's (store `ot_weights`)
+STATE_FOLDER = "named"
+SAMPLER_FOLDER = "sampler"
+
+
+def state_object(job_id: str, name: str) -> str:
+    """The object (store `ot_checkpoints`) a tinker job's save_state(`name`) writes."""
+    return f"{job_id}/{STATE_FOLDER}/{name}"
+
+
 def sampler_object(job_id: str, name: str) -> str:
     """The object (store `ot_weights`) a tinker job's save_weights_for_sampler(`name`) writes."""
-    return f"{job_id}/sampler/{name}"
+    return f"{job_id}/{SAMPLER_FOLDER}/{name}"
 
 
 class TinkerTensor(msgspec.Struct, frozen=True, kw_only=True):

@@ -25,7 +25,7 @@ import torch
 from nats.js.errors import ObjectNotFoundError
 
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import CHECKPOINT_NAME_RE
+from opentinker.schemas.tinker import CHECKPOINT_NAME_RE, state_object
 from opentinker.services.core.bus import Bus
 
 FORMAT = 1
@@ -40,7 +40,7 @@ def object_name(job_id: str, name: str = "") -> str:
         return f"{S.check_job_id(job_id)}/latest"
     if not CHECKPOINT_NAME_RE.match(name):
         raise ValueError(f"checkpoint name {name!r} must match {CHECKPOINT_NAME_RE.pattern}")
-    return f"{S.check_job_id(job_id)}/named/{name}"
+    return state_object(S.check_job_id(job_id), name)
 
 
 def job_dir(home: str | Path, job_id: str) -> Path:

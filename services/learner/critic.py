@@ -184,11 +184,23 @@ class ActorCritic:
                    totals: Sequence[AggTotals], lrs: Sequence[float] | None = None) -> dict[str, float]:
         """The critic's updates, then the policy's (both on the values from before the
         step, as verl's update_critic before update_actor); their metrics merged."""
+        critic = self._train_critic(micro_batches, updates, totals, lrs)
+        return {**self.policy.train_step(micro_batches, updates, totals, lrs), **critic}
+
+    def train_critic(self, micro_batches: Sequence[Batch], updates: Sequence[Sequence[int]],
+                     totals: Sequence[AggTotals], lrs: Sequence[float] | None = None) -> dict[str, float]:
+        """A step of the critic's warmup (JobSpec.critic_warmup): the critic's updates
+        alone, the policy unchanged; its metrics with the policy's zeros (no update, no
+        token: TrainEngine.train_step of nothing)."""
+        critic = self._train_critic(micro_batches, updates, totals, lrs)
+        return {**self.policy.train_step(micro_batches, [], [], []), **critic}
+
+    def _train_critic(self, micro_batches, updates, totals, lrs) -> dict[str, float]:
+        """CriticEngine.train_step at the policy's schedule times critic_lr / lr."""
         spec = self.policy.spec
         scale = (spec.critic_lr or spec.lr) / spec.lr
-        critic = self.critic.train_step(micro_batches, updates, totals,
-                                        None if lrs is None else [lr * scale for lr in lrs])
-        return {**self.policy.train_step(micro_batches, updates, totals, lrs), **critic}
+        return self.critic.train_step(micro_batches, updates, totals,
+                                      None if lrs is None else [lr * scale for lr in lrs])
 
     def save_state(self, directory: str | Path) -> None:
         """The policy's state in `directory`, the critic's in `directory/critic`."""

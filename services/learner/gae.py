@@ -46,19 +46,25 @@ def gae(rewards: Sequence[float], values: Sequence[float], gamma: float, lam: fl
     return adv, [a + float(v) for a, v in zip(adv, values)]
 
 
-def token_rewards(traj: Trajectory, bonus: float = 0.0) -> list[float]:
+def token_rewards(traj: Trajectory, bonus: float = 0.0, token_bonus: Sequence[float] | None = None) -> list[float]:
     """[len(token_ids)] the episode's rewards placed on its policy tokens: each turn's
     reward on the turn's last policy token, the rest of the episode's return
     (Trajectory.reward less the turns' sum; all of it for an episode without turns) and
-    `bonus` (the KL-in-reward penalty, DAPO's overlong penalty: step.reward_bonus) on the
-    episode's last policy token, as verl's token_level_rewards hold the score on the last
-    response token. A turn without a policy token gives its reward to the policy token
-    before it (else the episode's first). All 0 for an episode without a policy token."""
+    `bonus` (DAPO's overlong penalty: step.reward_bonus) on the episode's last policy
+    token, as verl's token_level_rewards hold the score on the last response token; plus
+    `token_bonus` [len(token_ids)] (the KL-in-reward penalty of each token) on each
+    policy token. A turn without a policy token gives its reward to the policy token
+    before it (else the episode's first). All 0 for an episode without a policy token.
+    Raises ValueError when token_bonus's length is not the episode's."""
     n = len(traj.token_ids)
+    if token_bonus is not None and len(token_bonus) != n:
+        raise ValueError(f"{len(token_bonus)} token bonuses for {n} tokens")
     out = [0.0] * n
     policy = [k for k in range(1, n) if traj.loss_mask[k]]
     if not policy:
         return out
+    for k in policy if token_bonus is not None else ():
+        out[k] += float(token_bonus[k])
     placed = 0.0
     for turn in traj.turns:
         before = [k for k in policy if k < turn.gen_end]
@@ -79,7 +85,8 @@ class CriticTargets(NamedTuple):
 
 
 def gae_targets(trajs: Sequence[Trajectory], values: Sequence[Sequence[float]], excluded: Sequence[bool],
-                gamma: float, lam: float, bonus: Sequence[float] | None = None) -> CriticTargets:
+                gamma: float, lam: float, bonus: Sequence[float] | None = None,
+                token_bonus: Sequence[Sequence[float]] | None = None) -> CriticTargets:
     """GAE (gae) over each trained episode's policy tokens, then the advantages whitened
     over every trained policy token of the step ((A - mean) / std, loss.batch_whitening;
     verl's masked_whiten of GAE advantages, OpenRLHF's advantage normalization). Returns
@@ -87,13 +94,15 @@ def gae_targets(trajs: Sequence[Trajectory], values: Sequence[Sequence[float]], 
 
     trajs: [n] episodes; values: [n] the critic's value of each token (aligned with
     token_ids, as critic.token_values gives them); excluded: [n] True for an episode that
-    does not train (its lists are 0); bonus: [n] added to each episode's last reward
-    (token_rewards). Raises ValueError when a length differs from its episode's.
+    does not train (its lists are 0); bonus: [n] added to each episode's last reward,
+    token_bonus: [n][len(token_ids)] to each policy token's (token_rewards). Raises
+    ValueError when a length differs from its episode's.
     """
     n = len(trajs)
     bonus = list(bonus) if bonus is not None else [0.0] * n
-    if not (len(values) == len(excluded) == len(bonus) == n):
-        raise ValueError(f"{n} episodes, {len(values)} values, {len(excluded)} excluded, {len(bonus)} bonuses")
+    if not (len(values) == len(excluded) == len(bonus) == n) or (token_bonus is not None and len(token_bonus) != n):
+        raise ValueError(f"{n} episodes, {len(values)} values, {len(excluded)} excluded, {len(bonus)} bonuses, "
+                         f"{'no' if token_bonus is None else len(token_bonus)} token bonuses")
     adv, ret, val = [], [], []
     for i, (t, v, ex) in enumerate(zip(trajs, values, excluded)):
         m = len(t.token_ids)
@@ -102,7 +111,7 @@ def gae_targets(trajs: Sequence[Trajectory], values: Sequence[Sequence[float]], 
         a_i, r_i, v_i = [0.0] * m, [0.0] * m, [0.0] * m
         if not ex:
             policy = [k for k in range(1, m) if t.loss_mask[k]]
-            rewards = token_rewards(t, bonus[i])
+            rewards = token_rewards(t, bonus[i], None if token_bonus is None else token_bonus[i])
             a, r = gae([rewards[k] for k in policy], [v[k] for k in policy], gamma, lam)
             for k, a_k, r_k in zip(policy, a, r):
                 a_i[k], r_i[k], v_i[k] = a_k, r_k, float(v[k])

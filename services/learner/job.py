@@ -499,7 +499,8 @@ class JobRun(RunLifecycle):
                              lambda batches: self.engine.sequence_logprobs(batches, reference=True),
                              getattr(self.engine, "values", None))  # a critic's (critic.ActorCritic)
         with torch_threads(self.async_threads()):
-            out = self.engine.train_step(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
+            train = self.engine.train_critic if plan.critic_only else self.engine.train_step
+            out = train(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
         return {**out, **plan.stats}
 
     def async_threads(self) -> int:

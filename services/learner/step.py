@@ -43,18 +43,19 @@ ValueFn = Callable[[Sequence[Batch]], Sequence[torch.Tensor]]
 
 # a train step's per-token averages (engine.train_step; the IS weights and the sampler /
 # learner gap "mismatch_kl" are loss.rollout_is_weights'), and a critic's (critic.py)
-TOKEN_STATS = ("kl", "approx_kl", "entropy", "clip_frac", "is_weight_mean", "is_capped_frac", "mismatch_kl",
-               "value_loss", "value_error", "value_clip_frac", "value_mean", "return_mean", "value_explained_var",
-               "critic_grad_norm")
+POLICY_STATS = ("kl", "approx_kl", "entropy", "clip_frac", "is_weight_mean", "is_capped_frac", "mismatch_kl")
+CRITIC_STATS = ("value_loss", "value_error", "value_clip_frac", "value_mean", "return_mean", "value_explained_var",
+                "critic_grad_norm")
+TOKEN_STATS = POLICY_STATS + CRITIC_STATS
 
 
 def token_stats(out: dict[str, float]) -> dict[str, float]:
-    """The step's TOKEN_STATS from engine.train_step's `out`, or none at all when it
-    forwarded no policy token (every group skipped or excluded): such a step has no
-    entropy or KL, and a 0 would read as one (plots dived to 0 on those steps)."""
-    if not out.get("tokens"):
-        return {}
-    return {k: out[k] for k in TOKEN_STATS if k in out}  # "kl" only where the loss has a KL term
+    """The step's TOKEN_STATS from engine.train_step's `out`: the policy's none at all
+    when it forwarded no policy token (every group skipped or excluded, or a critic
+    warmup step): such a step has no entropy or KL, and a 0 would read as one (plots
+    dived to 0 on those steps). The critic's are there when it trained."""
+    kept = TOKEN_STATS if out.get("tokens") else CRITIC_STATS
+    return {k: out[k] for k in kept if k in out}  # "kl" only where the loss has a KL term
 
 
 class StepPlan(NamedTuple):
@@ -70,6 +71,8 @@ class StepPlan(NamedTuple):
     stats:         the step's excluded_frac, zero_variance_frac, skipped_frac (episodes
                    not forwarded / episodes) and lr (the first update's; 0.0 for none);
                    with a teacher, teacher_kl (distill)
+    critic_only:   True for a step of the critic's warmup (spec.critic_warmup): the
+                   updates train the critic alone (critic.ActorCritic.train_critic)
     """
 
     micro_batches: list[Batch]
@@ -77,32 +80,57 @@ class StepPlan(NamedTuple):
     totals: list[AggTotals]
     lrs: list[float]
     stats: dict[str, float]
+    critic_only: bool = False
+
+
+class RewardBonus(NamedTuple):
+    """What the rewards gain before the advantages (reward_bonus).
+
+    episode: [n_episodes] DAPO's soft overlong penalty of each episode, or None
+    kl:      [n_episodes][len(token_ids)] with kl_in_reward, -kl_coef times each policy
+             token's KL estimate to the reference (0 off the policy tokens), or None
+    """
+
+    episode: list[float] | None
+    kl: list[list[float]] | None
+
+    def per_episode(self) -> list[float] | None:
+        """[n_episodes] the overlong penalty plus the episode's summed KL penalty (what an
+        outcome advantage sees: verl's GRPO sums token_level_rewards), or None when
+        every one is 0."""
+        n = len(self.episode if self.episode is not None else self.kl or [])
+        out = [(self.episode[i] if self.episode else 0.0) + (sum(self.kl[i]) if self.kl else 0.0) for i in range(n)]
+        return out if any(out) else None
 
 
 def reward_bonus(trajs: Sequence[Trajectory], spec: JobSpec, pad_id: int,
-                 ref_logprobs: RefLogprobs | None = None) -> list[float] | None:
-    """What each episode's reward gains before the advantages: DAPO's soft overlong
-    penalty (loss.overlong_penalty, arXiv 2503.14476 §3.4) and, with `kl_in_reward`,
-    -kl_coef times the episode's summed KL estimate (spec.kl_estimator) of the sampler's
-    tokens to the reference (verl's use_kl_in_reward; Ouyang et al. 2022, arXiv
-    2203.02155 eq. 2). The reference logprobs come from `ref_logprobs`, over
-    micro-batches of the job's size padded with `pad_id`. Returns [len(trajs)] bonuses,
-    or None when every one is 0. Raises ValueError when the KL is in the reward and
-    `ref_logprobs` is None.
+                 ref_logprobs: RefLogprobs | None = None) -> RewardBonus:
+    """What the rewards gain before the advantages: DAPO's soft overlong penalty per
+    episode (loss.overlong_penalty, arXiv 2503.14476 §3.4) and, with `kl_in_reward`,
+    -kl_coef times the KL estimate (spec.kl_estimator) of each sampled policy token to
+    the reference (verl's apply_kl_penalty, token_level_rewards = scores - beta * kld;
+    Ouyang et al. 2022, arXiv 2203.02155 eq. 2). The reference logprobs come from
+    `ref_logprobs`, over micro-batches of the job's size padded with `pad_id`. A part
+    that is 0 for every episode is None. Raises ValueError when the KL is in the reward
+    and `ref_logprobs` is None.
     """
-    bonus = [0.0] * len(trajs)
+    episode = None
     if spec.overlong_buffer > 0:
         budget = max_generated_tokens(spec)
-        bonus = [b + overlong_penalty(sum(t.loss_mask), budget, spec.overlong_buffer, spec.overlong_penalty)
-                 for b, t in zip(bonus, trajs)]
+        episode = [overlong_penalty(sum(t.loss_mask), budget, spec.overlong_buffer, spec.overlong_penalty)
+                   for t in trajs]
+    kl_tokens = None
     if spec.kl_in_reward and spec.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_in_reward needs the reference policy's logprobs (ref_logprobs)")
+        kl_tokens = [[0.0] * len(t.token_ids) for t in trajs]
         for part, mb, ref in forward(trajs, range(len(trajs)), spec, pad_id, ref_logprobs):
-            kl = torch.where(mb.loss_mask > 0, kl_estimate(mb.logprobs, ref, spec.kl_estimator), 0.0).sum(dim=1)
-            for i, k in zip(part, kl.tolist()):
-                bonus[i] -= spec.kl_coef * k
-    return bonus if any(bonus) else None
+            kl = torch.where(mb.loss_mask > 0, -spec.kl_coef * kl_estimate(mb.logprobs, ref, spec.kl_estimator), 0.0)
+            for row, i in enumerate(part):
+                n = len(trajs[i].token_ids)
+                kl_tokens[i][1:] = kl[row, : n - 1].tolist()  # column j: token j + 1
+    return RewardBonus(episode if episode and any(episode) else None,
+                       kl_tokens if kl_tokens and any(map(any, kl_tokens)) else None)
 
 
 def forward(trajs: Sequence[Trajectory], episodes: Sequence[int], spec: JobSpec, pad_id: int,
@@ -129,7 +157,7 @@ def _mask_out(trajs: Sequence[Trajectory], spec: JobSpec) -> list[bool] | None:
     return mask_out
 
 
-def advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: Sequence[float] | None) -> StepAdvantages:
+def advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: RewardBonus) -> StepAdvantages:
     """Per-episode or per-token advantages of a step in group order
     (batching.step_advantages with the job's credit, estimator and reward `bonus`).
     Left out of the loss but counted in their group's statistics: with overlong_filter,
@@ -139,15 +167,16 @@ def advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: Sequence[float
     seat's return is normalized against the same seat of the group's other games.
     Raises ValueError as step_advantages does."""
     return step_advantages(trajs, spec.prompts_per_step * spec.agents, spec.group_size, spec.advantage,
-                           spec.turn_discount, spec.advantage_estimator, bonus, _mask_out(trajs, spec))
+                           spec.turn_discount, spec.advantage_estimator, bonus.per_episode(), _mask_out(trajs, spec))
 
 
-def critic_advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: Sequence[float] | None, pad_id: int,
+def critic_advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: RewardBonus, pad_id: int,
                       values: ValueFn | None) -> tuple[StepAdvantages, CriticTargets]:
     """PPO with a critic (advantage_estimator "gae"): each trained episode's per-token
     GAE advantages, whitened over the step, with the returns and values the critic trains
-    on (gae.gae_targets, gamma spec.gae_gamma, lambda spec.gae_lambda, `bonus` on each
-    episode's last reward). The critic's values come from `values` over the trained
+    on (gae.gae_targets, gamma spec.gae_gamma, lambda spec.gae_lambda; `bonus`'s overlong
+    penalty on each episode's last reward, its KL penalty on each token, as verl's GAE
+    over token_level_rewards). The critic's values come from `values` over the trained
     episodes (errors and _mask_out's left out). No group baseline: zero_groups are all
     False. Raises ValueError when `values` is None."""
     if values is None:
@@ -159,7 +188,7 @@ def critic_advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: Sequenc
         for row, i in enumerate(part):
             n = len(trajs[i].token_ids)
             token_values[i][1:] = v[row, : n - 1].tolist()  # column j: the value of token j + 1
-    targets = gae_targets(trajs, token_values, excluded, spec.gae_gamma, spec.gae_lambda, bonus)
+    targets = gae_targets(trajs, token_values, excluded, spec.gae_gamma, spec.gae_lambda, bonus.episode, bonus.kl)
     return StepAdvantages(targets.advantages, excluded, [False] * (len(trajs) // spec.group_size)), targets
 
 
@@ -199,7 +228,8 @@ def plan_step(trajs: Sequence[Trajectory], spec: JobSpec, step: int, pad_id: int
     tokens (batching.micro_batches), padded with `pad_id`. ref_logprobs: as in
     reward_bonus (needed only with kl_in_reward). Raises ValueError as reward_bonus and
     step_advantages do. values: the critic's (critic_advantages), needed with
-    advantage_estimator "gae"; the micro-batches then carry its values and returns.
+    advantage_estimator "gae"; the micro-batches then carry its values and returns, and
+    a step before spec.critic_warmup is critic_only.
     """
     bonus = reward_bonus(trajs, spec, pad_id, ref_logprobs)
     critic: CriticTargets | None = None
@@ -227,4 +257,5 @@ def plan_step(trajs: Sequence[Trajectory], spec: JobSpec, step: int, pad_id: int
     forwarded = sum(len(episodes) for episodes in plan.mini_batches)
     stats = {"excluded_frac": adv.excluded_frac, "zero_variance_frac": adv.zero_variance_frac,
              "skipped_frac": 1.0 - forwarded / max(len(trajs), 1), "lr": lrs[0] if lrs else 0.0, **distilled}
-    return StepPlan(batches, updates, [u.totals for u in plan.updates], lrs, stats)
+    critic_only = critic is not None and step < spec.critic_warmup
+    return StepPlan(batches, updates, [u.totals for u in plan.updates], lrs, stats, critic_only)

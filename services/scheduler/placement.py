@@ -66,6 +66,12 @@ def lost_workers(rec: JobRecord, live: dict[str, WorkerInfo]) -> list[str]:
     return [w for w in holders(rec) if w not in live]
 
 
+def lost_by_job(recs: list[JobRecord], live: dict[str, WorkerInfo]) -> dict[int, list[str]]:
+    """{index into `recs`: its lost workers} for each unfinished job that has one."""
+    lost = {i: lost_workers(r, live) for i, r in enumerate(recs) if not r.state.terminal}
+    return {i: names for i, names in lost.items() if names}
+
+
 def without_lost_rollout(rec: JobRecord, lost: list[str]) -> Placement | None:
     """The placement a training job keeps when only some of its rollout workers are
     lost: the same attempt and learner, the surviving rollout workers (in order); its

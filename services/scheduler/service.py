@@ -56,14 +56,14 @@ from opentinker.schemas import (
 )
 from opentinker.schemas import subjects as S
 from opentinker.schemas.job import JOB_ID_RE, SpecError, error_field, validate_job_spec
-from opentinker.schemas.pool import Placement
+from opentinker.schemas.pool import Placement, WorkerInfo
 from opentinker.services.core.bus import Bus, MessageRefused
 from opentinker.services.core.config import Settings
 from opentinker.services.core.pool import live_workers
 from opentinker.services.core.runner import run_service
 from opentinker.schemas.users import User
 from opentinker.services.scheduler.placement import (
-    inference_requests, Quota, holders, lost_workers, plan, without_lost_rollout,
+    inference_requests, Quota, holders, lost_by_job, plan, without_lost_rollout,
 )
 from opentinker.services.scheduler.locks import submit_lock
 from opentinker.services.scheduler.retention import expired_records, forget_jobs, named_jobs
@@ -436,23 +436,23 @@ class Scheduler:
         async with self.lock:
             live = await live_workers(self.bus, self.pool)
             recs = await self.records()
-            settled = self.settled()
-            if settled and any(lost_workers(r, live) for r, _ in recs if not r.state.terminal):
+            lost = lost_by_job([r for r, _ in recs], live) if self.settled() else {}
+            if lost:
                 # a worker is lost when a second listing misses it too: one listing once
                 # missed a worker that beat on time (a CI job requeued between two placements)
                 live = {**await live_workers(self.bus, self.pool), **live}
-            for i, (rec, rev) in enumerate(recs):
-                lost = lost_workers(rec, live) if not rec.state.terminal and settled else []
-                if lost:
-                    kept = without_lost_rollout(rec, lost)
-                    with contextlib.suppress(Conflict):  # changed meanwhile: next round
-                        recs[i] = await (self.requeue(rec, rev, lost) if kept is None
-                                         else self.fail_over(rec, rev, lost, kept))
+                lost = lost_by_job([r for r, _ in recs], live)
+            for i, names in lost.items():
+                rec, rev = recs[i]
+                kept = without_lost_rollout(rec, names)
+                with contextlib.suppress(Conflict):  # changed meanwhile: next round
+                    recs[i] = await (self.requeue(rec, rev, names) if kept is None
+                                     else self.fail_over(rec, rev, names, kept))
             active = [r for r, _ in recs if not r.state.terminal and r.placement is not None]
             queued = {r.job_id: (r, v) for r, v in recs if r.state == JobState.QUEUED and r.placement is None}
             for rec, p in plan([r for r, _ in queued.values()], active, live, self.quota_of, time.time()):
                 with contextlib.suppress(Conflict):
-                    await self.place(rec, queued[rec.job_id][1], p)
+                    await self.place(rec, queued[rec.job_id][1], p, live)
 
     async def requeue(self, rec: JobRecord, rev: int, lost: list[str]) -> tuple[JobRecord, int]:
         """Put a placed job back in the queue; returns the new record and revision."""
@@ -505,12 +505,15 @@ class Scheduler:
             await self.bus.delete_durable(d)
             await self.bus.purge_subject(d.stream, d.subject)
 
-    async def place(self, rec: JobRecord, rev: int, p: Placement) -> None:
+    async def place(self, rec: JobRecord, rev: int, p: Placement, live: dict[str, WorkerInfo]) -> None:
+        """Record placement `p` of a queued job (`live`: the round's pool, where an
+        inference job's endpoint is its first rollout worker's serve_url), then assign
+        its learner or send its requests, and announce it."""
         where = ", ".join(holders(msgspec.structs.replace(rec, placement=p)))
         state = JobState.RUNNING if rec.kind == "inference" else JobState.QUEUED
         endpoint = ""
         if rec.kind == "inference" and p.rollout:
-            info = (await live_workers(self.bus, self.pool)).get(p.rollout[0])
+            info = live.get(p.rollout[0])
             if info is not None and info.serve_url:
                 endpoint = f"{info.serve_url.rstrip('/')}/jobs/{rec.job_id}/v1"
         rec = with_state(rec, state, f"placed on {where} (attempt {p.attempt})", placement=p, attempt=p.attempt,

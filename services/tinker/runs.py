@@ -45,7 +45,8 @@ from nats.js.errors import KeyNotFoundError, NotFoundError, ObjectNotFoundError
 
 from opentinker.schemas import JobRecord, decode, encode
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import CHECKPOINT_NAME_RE, TinkerCheckpointMeta, TinkerRunMeta, TinkerSession
+from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, SAMPLER_FOLDER, STATE_FOLDER, TinkerCheckpointMeta,
+                                       TinkerRunMeta, TinkerSession, sampler_object, state_object)
 from opentinker.services.core.bus import Bus
 from opentinker.services.tinker import wire
 from opentinker.services.tinker.sessions import LORA_MODULES, ApiError
@@ -56,8 +57,8 @@ LIST_TIMEOUT_S = 60.0
 EXPIRE_EVERY_S = 60.0
 _NUMBER_RE = re.compile(r"^-?[0-9]{1,12}$")
 # the object each kind of save writes (store, folder under the job) and its Tinker type
-KINDS = {"weights": (S.OBJ_CHECKPOINTS, "named", "training"),
-         "sampler_weights": (S.OBJ_WEIGHTS, "sampler", "sampler")}
+KINDS = {"weights": (S.OBJ_CHECKPOINTS, STATE_FOLDER, "training"),
+         "sampler_weights": (S.OBJ_WEIGHTS, SAMPLER_FOLDER, "sampler")}
 
 
 class Checkpoint(msgspec.Struct, kw_only=True):
@@ -143,8 +144,8 @@ def object_of_checkpoint(job_id: str, checkpoint_id: str) -> tuple[str, str]:
     if kind not in KINDS or not CHECKPOINT_NAME_RE.match(name):
         raise wire.WireError(f"checkpoint_id: {checkpoint_id[:160]!r} is not weights/<name> or "
                              "sampler_weights/<name>")
-    store, where, _ = KINDS[kind]
-    return store, f"{job_id}/{where}/{name}"
+    store = KINDS[kind][0]
+    return store, (state_object if kind == "weights" else sampler_object)(job_id, name)
 
 
 def utc(mtime: str | None) -> datetime:

@@ -52,9 +52,11 @@ FAMILIES = {
     "precision": dict(max_staleness=0, rollout_is="token", sampler_dtype="bfloat16", skip_zero_variance=False),
     # on-policy distillation from the base model's weights, the env's reward left out
     "distill": dict(max_staleness=0, teacher="base", distill_coef=1.0, distill_only=True),
-    # PPO with a critic: one episode a prompt, GAE over the critic's values, 2 epochs
+    # PPO with a critic: one episode a prompt, GAE over the critic's values (each token's
+    # KL to the reference in its reward), 2 epochs, step 0 the critic's warmup
     "critic": dict(max_staleness=1, advantage_estimator="gae", group_size=1, prompts_per_step=4, critic_lr=1e-3,
-                   gae_lambda=0.95, ppo_epochs=2, checkpoint_every=1),
+                   gae_lambda=0.95, ppo_epochs=2, checkpoint_every=1, critic_warmup=1, kl_in_reward=True,
+                   kl_coef=0.05),
 }
 
 
@@ -138,11 +140,14 @@ async def test_each_objective_family_trains_through_the_services(services, nats_
     gap = {f: max(v["mismatch_kl"] for v in steps.values()) for f, steps in (("bf16", p), ("fp32", d))}
     assert all(v["policy_lag_max"] == 0 and v["mismatch_kl"] > 0 for v in p.values()), p
     assert gap["bf16"] > 100 * gap["fp32"], gap
-    # PPO with a critic: both trained each step (2 epochs), no group to skip, the value
-    # statistics reported; the step-1 batch was sampled by policy 0 (asynchronous)
+    # PPO with a critic: step 0 (the warmup) trained the critic alone, step 1 both (2
+    # epochs); no group to skip, the value statistics reported; the step-1 batch was
+    # sampled by policy 0 (asynchronous)
     for s in (0, 1):
-        assert v[s]["updates"] == 2 and v[s]["zero_variance_frac"] == 0 and v[s]["episodes"] == 4, v[s]
+        assert v[s]["zero_variance_frac"] == 0 and v[s]["episodes"] == 4, v[s]
         assert v[s]["critic_grad_norm"] > 0 and v[s]["value_loss"] > 0 and "value_explained_var" in v[s], v[s]
+    assert v[0]["updates"] == 0 and v[0]["loss"] == 0 and "entropy" not in v[0], v[0]
+    assert v[1]["updates"] == 2 and "entropy" in v[1], v[1]
     assert v[1]["policy_lag_max"] == 1
     # distillation: the rollout worker scored every policy token by the base weights; at
     # policy version 0 those sampled it (KL 0 up to the engines' numerics), after one

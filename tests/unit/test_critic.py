@@ -107,6 +107,33 @@ def test_a_step_trains_both_and_the_values_approach_the_returns(tiny_model, rank
         again.close()
 
 
+def test_a_critic_warmup_step_trains_the_critic_and_leaves_the_policy(tiny_model, rank_env):
+    from opentinker.services.learner.step import token_stats
+
+    torch.manual_seed(0)
+    pair = _pair(tiny_model, lora_rank=0, critic_warmup=2, steps=4)
+    try:
+        assert [plan_step(TRAJS, pair.spec, s, pair.pad_id, values=pair.values).critic_only
+                for s in range(4)] == [True, True, False, False]
+        policy_before = [p.detach().clone() for p in pair.module.parameters()]
+        critic_before = [p.detach().clone() for p in pair.critic.module.parameters()]
+        plan = plan_step(TRAJS, pair.spec, 0, pair.pad_id, values=pair.values)
+        out = pair.train_critic(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
+        assert all(torch.equal(a, b) for a, b in zip(policy_before, pair.module.parameters()))
+        assert any(not torch.equal(a, b) for a, b in zip(critic_before, pair.critic.module.parameters()))
+        assert out["updates"] == 0 and out["loss"] == 0 and out["tokens"] == 0 and out["critic_grad_norm"] > 0
+        # the metrics a warmup step reports: the critic's, none of the policy's per-token ones
+        stats = token_stats(out)
+        assert {"value_loss", "value_mean", "return_mean", "critic_grad_norm"} <= set(stats)
+        assert not {"entropy", "kl", "approx_kl", "clip_frac"} & set(stats)
+        plan = plan_step(TRAJS, pair.spec, 2, pair.pad_id, values=pair.values)
+        out = pair.train_step(plan.micro_batches, plan.updates, plan.totals, plan.lrs)
+        assert any(not torch.equal(a, b) for a, b in zip(policy_before, pair.module.parameters()))
+        assert {"entropy", "value_loss"} <= set(token_stats(out))
+    finally:
+        pair.close()
+
+
 def test_a_vision_language_critic_is_refused(tiny_vlm, rank_env):
     from opentinker.services.learner.critic import CriticEngine
 

@@ -585,9 +585,13 @@ def test_k3_does_not_overflow():
 def test_a_step_that_forwarded_no_token_reports_no_token_statistics():
     """Issue 31: a step whose groups were all skipped reported entropy 0, IS weight 0 and
     KL 0, and the plots dived to 0 on it."""
-    from opentinker.services.learner.step import TOKEN_STATS, token_stats
+    from opentinker.services.learner.step import CRITIC_STATS, POLICY_STATS, TOKEN_STATS, token_stats
 
-    zeros = {k: 0.0 for k in (*TOKEN_STATS, "tokens")}
+    zeros = {k: 0.0 for k in (*POLICY_STATS, "tokens")}
     assert token_stats(zeros) == {}
     some = {**zeros, "tokens": 12.0, "entropy": 1.5, "mismatch_kl": 0.003}
-    assert token_stats(some) == {k: some[k] for k in TOKEN_STATS}
+    assert token_stats(some) == {k: some[k] for k in POLICY_STATS}
+    # a critic's warmup step: the policy forwarded nothing, the critic trained
+    warmup = {**zeros, **{k: 0.5 for k in CRITIC_STATS}}
+    assert token_stats(warmup) == {k: 0.5 for k in CRITIC_STATS}
+    assert token_stats({**warmup, "tokens": 3.0}) == {k: warmup[k] for k in TOKEN_STATS}

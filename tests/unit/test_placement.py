@@ -4,7 +4,7 @@ import msgspec
 
 from opentinker.schemas import JobRecord, JobSpec, JobState
 from opentinker.schemas.pool import Placement, WorkerCapacity, WorkerInfo
-from opentinker.services.scheduler.placement import Quota, lost_workers, plan, without_lost_rollout
+from opentinker.services.scheduler.placement import Quota, lost_by_job, lost_workers, plan, without_lost_rollout
 
 BIG = Quota(max_jobs=10, max_workers=10)
 
@@ -84,6 +84,10 @@ def test_lost_workers_and_a_job_not_yet_let_go():
     p = Placement(attempt=2, learner="l1", rollout=["r1", "r2"])
     rec = job("a", 1.0, placement=p)
     assert lost_workers(rec, pool(worker("l1", "learner"), worker("r1", "rollout"))) == ["r2"]
+    # per job: only unfinished jobs that lost a worker
+    done = msgspec.structs.replace(rec, job_id="b", state=JobState.COMPLETED)
+    whole = job("c", 1.0, placement=Placement(attempt=1, learner="l1", rollout=["r1"]))
+    assert lost_by_job([whole, rec, done], pool(worker("l1", "learner"), worker("r1", "rollout"))) == {1: ["r2"]}
     # requeued, but its old learner still reports it: it waits for the learner to let go
     requeued = msgspec.structs.replace(rec, placement=None, state=JobState.QUEUED)
     live = pool(worker("l1", "learner", jobs=["a"]), worker("l2", "learner"), worker("r1", "rollout"))

@@ -14,7 +14,7 @@ import torch
 from opentinker.schemas import JobSpec, SamplingParams, Trajectory, TurnRecord
 from opentinker.schemas.stats import derived_seed
 from opentinker.services.learner.batching import policy_tokens, update_plan
-from opentinker.services.learner.step import plan_step, reward_bonus
+from opentinker.services.learner.step import RewardBonus, plan_step, reward_bonus
 
 PAD = 0
 
@@ -113,8 +113,11 @@ def test_the_overlong_penalty_follows_dapo_s_soft_punishment():
     spec = _spec(prompts_per_step=2, group_size=2, overlong_buffer=4, overlong_penalty=0.5,
                  sampling=SamplingParams(max_new_tokens=12))
     trajs = [_traj(0, 3, 8, 1.0), _traj(1, 3, 10, 1.0), _traj(2, 3, 13, 1.0), _traj(3, 3, 9, 1.0)]
-    assert reward_bonus(trajs, spec, PAD) == pytest.approx([0.0, 0.5 * -0.5, 0.5 * -1.0, 0.5 * -0.25])
-    assert reward_bonus(trajs[:1], spec, PAD) is None  # nothing penalized: no bonus
+    bonus = reward_bonus(trajs, spec, PAD)
+    assert bonus.episode == pytest.approx([0.0, 0.5 * -0.5, 0.5 * -1.0, 0.5 * -0.25]) and bonus.kl is None
+    assert bonus.per_episode() == pytest.approx(bonus.episode)
+    assert reward_bonus(trajs[:1], spec, PAD) == RewardBonus(None, None)  # nothing penalized: no bonus
+    assert RewardBonus(None, None).per_episode() is None
     # equal rewards, different lengths: the penalty gives both groups a signal
     plan = plan_step(trajs, spec, 0, PAD)
     assert plan.stats["zero_variance_frac"] == 0.0 and _forwarded(plan) == [0, 1, 2, 3]
@@ -135,15 +138,46 @@ def test_kl_in_reward_subtracts_kl_coef_times_the_episode_s_summed_kl_to_the_ref
         return [torch.full_like(b.logprobs, -2.5) for b in batches]
 
     k3 = math.exp(-0.5) + 0.5 - 1
-    assert reward_bonus(trajs, spec, PAD, ref_logprobs) == pytest.approx([-0.1 * k3 * n for n in (2, 5, 3)])
+    bonus = reward_bonus(trajs, spec, PAD, ref_logprobs)
+    assert bonus.per_episode() == pytest.approx([-0.1 * k3 * n for n in (2, 5, 3)]) and bonus.episode is None
+    # per token, aligned with token_ids: the penalty on each policy token, 0 on the prompt
+    assert bonus.kl[0] == pytest.approx([0.0] * 3 + [-0.1 * k3] * 2)
     assert sorted(seen) == [1, 2]  # in micro-batches of micro_batch_size
     k1 = _spec(prompts_per_step=1, group_size=3, kl_in_reward=True, kl_coef=0.1, kl_estimator="k1")
-    assert reward_bonus(trajs, k1, PAD, ref_logprobs) == pytest.approx([-0.1 * 0.5 * n for n in (2, 5, 3)])
+    assert reward_bonus(trajs, k1, PAD, ref_logprobs).per_episode() == pytest.approx([-0.1 * 0.5 * n
+                                                                                     for n in (2, 5, 3)])
     # equal rewards, different KLs: the bonus makes the group's advantages differ
     plan = plan_step(trajs[:2] + [_traj(2, 2, 3, 1.0)], spec, 0, PAD, ref_logprobs)
     assert plan.stats["zero_variance_frac"] == 0.0
     with pytest.raises(ValueError, match="kl_in_reward"):
         plan_step(trajs, spec, 0, PAD)
+
+
+def test_with_a_critic_the_kl_penalty_is_each_token_s_reward_not_the_episode_s_last():
+    """verl's apply_kl_penalty: token_level_rewards = scores - beta * kld, then GAE over
+    them. With gamma = lambda = 1 and values 0, a token's return is the reward plus the
+    penalties of it and the tokens after it, not of the tokens before it; an overlong
+    penalty stays on the last token."""
+    kw = dict(prompts_per_step=2, group_size=1, kl_in_reward=True, kl_coef=0.1, kl_estimator="k1",
+              advantage_estimator="gae", gae_gamma=1.0, gae_lambda=1.0, micro_batch_size=4)
+    spec = _spec(**kw)
+    trajs = [_traj(0, 3, 3, 1.0), _traj(1, 2, 2, 0.0)]
+
+    def ref_logprobs(batches):
+        return [torch.full_like(b.logprobs, -2.5) for b in batches]  # k1 = -2.0 - -2.5 = 0.5 a token
+
+    def values(batches):
+        return [torch.zeros_like(b.logprobs) for b in batches]
+
+    plan = plan_step(trajs, spec, 0, PAD, ref_logprobs, values)
+    [mb] = plan.micro_batches
+    got = {int(row[0]) - 100: ret[mask > 0].tolist() for row, ret, mask in zip(mb.input_ids, mb.returns, mb.loss_mask)}
+    assert got[0] == pytest.approx([1.0 - 0.15, 1.0 - 0.10, 1.0 - 0.05])
+    assert got[1] == pytest.approx([-0.10, -0.05])
+    overlong = _spec(**kw, overlong_buffer=2, overlong_penalty=0.5, sampling=SamplingParams(max_new_tokens=3))
+    [mb] = plan_step(trajs, overlong, 0, PAD, ref_logprobs, values).micro_batches
+    row = [int(r[0]) - 100 for r in mb.input_ids].index(0)  # 3 tokens of 3: 0.5 * (1 - 3) / 2 = -0.5
+    assert mb.returns[row][mb.loss_mask[row] > 0].tolist() == pytest.approx([0.35, 0.40, 0.45])
 
 
 def test_an_episode_cut_at_the_length_limit_is_filtered_out_but_counts_in_its_group_s_baseline():
