@@ -252,8 +252,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     critic_warmup: Bounded(int, 0, 1_000_000, doc=(
         "With `gae`: the job's first N steps train the critic only, the policy unchanged (its weights published "
         "again as the next version), so the policy's first update sees values fitted to its own returns "
-        "(verl's `trainer.critic_warmup`, which counts from 1: its N is N - 1 steps here); less than `steps`. "
-        "The learning-rate schedule counts these steps.")) = 0
+        "(verl's `trainer.critic_warmup`, which counts from 1: its N is N - 1 steps here). The learning-rate "
+        "schedule counts these steps; with N >= `steps` the job trains its critic alone (for a later job's "
+        "`init_from`).")) = 0
     surrogate: Doc(Surrogate, (
         "The per-token objective (shared with the Tinker API's `loss_fn`): `ppo` the clipped surrogate "
         "(arXiv 1707.06347); `gspo` the same clip on the sequence's length-normalized ratio, each token keeping "
@@ -548,8 +549,6 @@ def _check_critic(spec: JobSpec) -> None:
                f"trains a critic, which only advantage_estimator = 'gae' has (got {spec.advantage_estimator!r})")
         return
     _check(spec.algorithm == "grpo", "advantage_estimator", f"'gae' is for RL jobs (algorithm {spec.algorithm!r})")
-    _check(spec.critic_warmup < spec.steps, "critic_warmup",
-           f"{spec.critic_warmup} steps of a {spec.steps}-step job: the policy would never train")
     _check(spec.learner_ranks == 1, "learner_ranks",
            f"a job with a critic (advantage_estimator = 'gae') trains on one rank (got {spec.learner_ranks})")
     _check(spec.advantage == "episode", "advantage",

@@ -42,6 +42,7 @@ from opentinker.schemas.job import error_field
 from opentinker.services.core import tracing
 from opentinker.services.core.streams import DUPLICATE_WINDOW_S, stream_config, streams_of  # noqa: F401 (re-exported)
 from opentinker.services.core.config import default_nats_url, server_list, service_credentials
+from opentinker.services.core.kvlist import kv_values_once
 
 log = logging.getLogger("opentinker.bus")
 T = TypeVar("T", bound=msgspec.Struct)
@@ -247,51 +248,15 @@ class Bus:
         return (decode(entry.value, JobRecord), entry.revision) if entry.value else None
 
     async def kv_values(self, bucket: str, prefix: str = "") -> dict[str, tuple[bytes, int]]:
-        """Every live key of `bucket` (starting with `prefix`) -> (value, revision).
-
-        One ephemeral pull consumer over the bucket's stream, the last message per key,
-        read until none is pending. Never a partial answer: a stalled read (the server
-        or connection going away) starts over, its error raised after RETRY_FOR_S.
-        (nats-py's `kv.keys()` can end before the first key arrives under load: it once
-        listed no workers and made the scheduler requeue healthy jobs.)"""
+        """Every live key of `bucket` (starting with `prefix`) -> (value, revision), while
+        others write (kvlist.kv_values_once: the keys the stream holds, each read from a
+        last-per-subject consumer). Never a partial answer: a stalled read (the server or
+        connection going away) starts over, its error raised after RETRY_FOR_S.
+        (nats-py's `kv.keys()` can end before the first key arrives under load, and a
+        consumer's num_pending undercounts keys being rewritten: each once listed too few
+        workers and made the scheduler requeue healthy jobs.)"""
         await self.kv(bucket)
-        return await self._retry(f"list KV {bucket}", self._kv_values_once, bucket, prefix)
-
-    async def _kv_values_once(self, bucket: str, prefix: str) -> dict[str, tuple[bytes, int]]:
-        stream, base = f"KV_{bucket}", f"$KV.{bucket}."
-        sub = await self.js.pull_subscribe(
-            f"{base}{prefix}>" if prefix else f"{base}>", stream=stream,
-            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-                                      ack_policy=api.AckPolicy.NONE, inactive_threshold=10.0,
-                                      mem_storage=True))
-        out: dict[str, tuple[bytes, int]] = {}
-        info = await sub.consumer_info()
-        try:
-            left = info.num_pending
-            while left > 0:
-                try:
-                    msgs = await sub.fetch(min(left, 256), timeout=5)
-                except nats.errors.TimeoutError:
-                    # entries that expired (or were purged) since the count leave nothing
-                    # pending; anything still pending means the read stalled: start over
-                    left = (await sub.consumer_info()).num_pending
-                    if left > 0:
-                        raise
-                    break
-                for m in msgs:
-                    left -= 1
-                    key = m.subject[len(base):]
-                    if (m.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not m.data:
-                        out.pop(key, None)
-                    else:
-                        out[key] = (m.data, m.metadata.sequence.stream)
-                    if m.metadata.num_pending == 0:
-                        left = 0
-        finally:
-            with contextlib.suppress(nats.errors.Error, NotFoundError):
-                await sub.unsubscribe()
-                await self.js.delete_consumer(stream, info.name)
-        return out
+        return await self._retry(f"list KV {bucket}", kv_values_once, self.nc, self.js, bucket, prefix)
 
     async def objects(self, bucket: str):
         """The object store `bucket`, created if missing."""

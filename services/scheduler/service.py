@@ -438,8 +438,8 @@ class Scheduler:
             recs = await self.records()
             lost = lost_by_job([r for r, _ in recs], live) if self.settled() else {}
             if lost:
-                # a worker is lost when a second listing misses it too: one listing once
-                # missed a worker that beat on time (a CI job requeued between two placements)
+                # a worker is lost when a second listing misses it too: a listing once
+                # missed a worker that beat on time (core/kvlist.py says why; fixed there)
                 live = {**await live_workers(self.bus, self.pool), **live}
                 lost = lost_by_job([r for r, _ in recs], live)
             for i, names in lost.items():
