@@ -6,6 +6,9 @@ on time. And the stream's subjects are read past the server's 100,000 a page."""
 
 import asyncio
 
+import nats
+import pytest
+
 from opentinker.schemas import subjects as S
 from opentinker.services.core.kvlist import stream_subjects
 
@@ -55,3 +58,34 @@ async def test_a_stream_s_subjects_are_read_past_a_page(bus, job_id):
         assert len(got) == n and f"pages.{job_id}.k100049" in got
     finally:
         await bus.js.delete_stream(stream)
+
+
+async def test_a_key_deleted_before_its_delivery_is_not_waited_for(bus, job_id, monkeypatch):
+    """A key the stream held when the listing asked, gone before the consumer delivered
+    it (its TTL ran out): the listing asks the stream again after a stalled fetch and
+    stops waiting for it. A key still held but never delivered is a stalled read."""
+    from opentinker.services.core import kvlist
+
+    kv = await bus.kv(S.KV_WORKERS)
+    await kv.put(f"{job_id}.live", b"x")
+    real = kvlist.stream_subjects
+    gone = f"$KV.{S.KV_WORKERS}.{job_id}.gone"
+    asked = []
+
+    async def first_has_gone(nc, stream, filt):
+        asked.append(filt)
+        subjects = await real(nc, stream, filt)
+        return subjects | {gone} if len(asked) == 1 else subjects
+
+    monkeypatch.setattr(kvlist, "FETCH_WAIT_S", 0.5)
+    monkeypatch.setattr(kvlist, "stream_subjects", first_has_gone)
+    got = await kvlist.kv_values_once(bus.nc, bus.js, S.KV_WORKERS, f"{job_id}.")
+    assert list(got) == [f"{job_id}.live"] and len(asked) == 2
+
+    async def always_has_gone(nc, stream, filt):
+        return await real(nc, stream, filt) | {gone}
+
+    monkeypatch.setattr(kvlist, "stream_subjects", always_has_gone)
+    with pytest.raises(nats.errors.TimeoutError):
+        await kvlist.kv_values_once(bus.nc, bus.js, S.KV_WORKERS, f"{job_id}.")
+    await kv.purge(f"{job_id}.live")
