@@ -98,8 +98,8 @@ class RewardBonus(NamedTuple):
         """[n_episodes] the overlong penalty plus the episode's summed KL penalty (what an
         outcome advantage sees: verl's GRPO sums token_level_rewards), or None when
         every one is 0."""
-        n = len(self.episode if self.episode is not None else self.kl or [])
-        out = [(self.episode[i] if self.episode else 0.0) + (sum(self.kl[i]) if self.kl else 0.0) for i in range(n)]
+        parts = [p for p in (self.episode, self.kl and [sum(k) for k in self.kl]) if p]
+        out = [sum(x) for x in zip(*parts)]
         return out if any(out) else None
 
 

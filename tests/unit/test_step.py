@@ -118,6 +118,8 @@ def test_the_overlong_penalty_follows_dapo_s_soft_punishment():
     assert bonus.per_episode() == pytest.approx(bonus.episode)
     assert reward_bonus(trajs[:1], spec, PAD) == RewardBonus(None, None)  # nothing penalized: no bonus
     assert RewardBonus(None, None).per_episode() is None
+    # with the KL in the reward too: an outcome advantage sees the sum of both
+    assert RewardBonus([-0.5, 0.0], [[0.0, -0.1, -0.2], [0.0] * 3]).per_episode() == pytest.approx([-0.8, 0.0])
     # equal rewards, different lengths: the penalty gives both groups a signal
     plan = plan_step(trajs, spec, 0, PAD)
     assert plan.stats["zero_variance_frac"] == 0.0 and _forwarded(plan) == [0, 1, 2, 3]
