@@ -84,14 +84,19 @@ STATE_FOLDER = "named"
 SAMPLER_FOLDER = "sampler"
 
 
+def save_object(job_id: str, folder: str, name: str) -> str:
+    """The object a tinker job's save `name` writes in `folder` (STATE_FOLDER, SAMPLER_FOLDER)."""
+    return f"{job_id}/{folder}/{name}"
+
+
 def state_object(job_id: str, name: str) -> str:
     """The object (store `ot_checkpoints`) a tinker job's save_state(`name`) writes."""
-    return f"{job_id}/{STATE_FOLDER}/{name}"
+    return save_object(job_id, STATE_FOLDER, name)
 
 
 def sampler_object(job_id: str, name: str) -> str:
     """The object (store `ot_weights`) a tinker job's save_weights_for_sampler(`name`) writes."""
-    return f"{job_id}/{SAMPLER_FOLDER}/{name}"
+    return save_object(job_id, SAMPLER_FOLDER, name)
 
 
 class TinkerTensor(msgspec.Struct, frozen=True, kw_only=True):

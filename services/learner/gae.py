@@ -63,8 +63,9 @@ def token_rewards(traj: Trajectory, bonus: float = 0.0, token_bonus: Sequence[fl
     policy = [k for k in range(1, n) if traj.loss_mask[k]]
     if not policy:
         return out
-    for k in policy if token_bonus is not None else ():
-        out[k] += float(token_bonus[k])
+    if token_bonus is not None:
+        for k in policy:
+            out[k] += float(token_bonus[k])
     placed = 0.0
     for turn in traj.turns:
         before = [k for k in policy if k < turn.gen_end]

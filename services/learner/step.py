@@ -126,9 +126,7 @@ def reward_bonus(trajs: Sequence[Trajectory], spec: JobSpec, pad_id: int,
         kl_tokens = [[0.0] * len(t.token_ids) for t in trajs]
         for part, mb, ref in forward(trajs, range(len(trajs)), spec, pad_id, ref_logprobs):
             kl = torch.where(mb.loss_mask > 0, -spec.kl_coef * kl_estimate(mb.logprobs, ref, spec.kl_estimator), 0.0)
-            for row, i in enumerate(part):
-                n = len(trajs[i].token_ids)
-                kl_tokens[i][1:] = kl[row, : n - 1].tolist()  # column j: token j + 1
+            to_tokens(kl_tokens, trajs, part, kl)
     return RewardBonus(episode if episode and any(episode) else None,
                        kl_tokens if kl_tokens and any(map(any, kl_tokens)) else None)
 
@@ -143,6 +141,15 @@ def forward(trajs: Sequence[Trajectory], episodes: Sequence[int], spec: JobSpec,
     parts = [[episodes[k] for k in part] for part in idx]
     batches = [build_batch([trajs[i] for i in part], [0.0] * len(part), pad_id) for part in parts]
     return list(zip(parts, batches, fn(batches)))
+
+
+def to_tokens(dest: list[list[float]], trajs: Sequence[Trajectory], part: Sequence[int], rows: torch.Tensor) -> None:
+    """Write a micro-batch's target-aligned [B, T] tensor `rows` (column j describes token
+    j + 1, see batching.py) into the token-aligned lists of its episodes: for the episode
+    i in row r of `part`, dest[i][1:] = rows[r, :len(token_ids) - 1] (dest[i][0], the
+    first token's, is left as it is)."""
+    for row, i in enumerate(part):
+        dest[i][1:] = rows[row, : len(trajs[i].token_ids) - 1].tolist()
 
 
 def _mask_out(trajs: Sequence[Trajectory], spec: JobSpec) -> list[bool] | None:
@@ -185,9 +192,7 @@ def critic_advantages(trajs: Sequence[Trajectory], spec: JobSpec, bonus: RewardB
     excluded = [bool(t.error) or bool(mask_out and mask_out[i]) for i, t in enumerate(trajs)]
     token_values = [[0.0] * len(t.token_ids) for t in trajs]
     for part, _, v in forward(trajs, [i for i, ex in enumerate(excluded) if not ex], spec, pad_id, values):
-        for row, i in enumerate(part):
-            n = len(trajs[i].token_ids)
-            token_values[i][1:] = v[row, : n - 1].tolist()  # column j: the value of token j + 1
+        to_tokens(token_values, trajs, part, v)
     targets = gae_targets(trajs, token_values, excluded, spec.gae_gamma, spec.gae_lambda, bonus.episode, bonus.kl)
     return StepAdvantages(targets.advantages, excluded, [False] * (len(trajs) // spec.group_size)), targets
 

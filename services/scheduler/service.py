@@ -436,12 +436,13 @@ class Scheduler:
         async with self.lock:
             live = await live_workers(self.bus, self.pool)
             recs = await self.records()
-            lost = lost_by_job([r for r, _ in recs], live) if self.settled() else {}
+            records = [r for r, _ in recs]
+            lost = lost_by_job(records, live) if self.settled() else {}
             if lost:
                 # a worker is lost when a second listing misses it too: a listing once
                 # missed a worker that beat on time (core/kvlist.py says why; fixed there)
                 live = {**await live_workers(self.bus, self.pool), **live}
-                lost = lost_by_job([r for r, _ in recs], live)
+                lost = lost_by_job(records, live)
             for i, names in lost.items():
                 rec, rev = recs[i]
                 kept = without_lost_rollout(rec, names)

@@ -46,7 +46,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError, ObjectNotFoundError
 from opentinker.schemas import JobRecord, decode, encode
 from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, SAMPLER_FOLDER, STATE_FOLDER, TinkerCheckpointMeta,
-                                       TinkerRunMeta, TinkerSession, sampler_object, state_object)
+                                       TinkerRunMeta, TinkerSession, save_object)
 from opentinker.services.core.bus import Bus
 from opentinker.services.tinker import wire
 from opentinker.services.tinker.sessions import LORA_MODULES, ApiError
@@ -144,8 +144,8 @@ def object_of_checkpoint(job_id: str, checkpoint_id: str) -> tuple[str, str]:
     if kind not in KINDS or not CHECKPOINT_NAME_RE.match(name):
         raise wire.WireError(f"checkpoint_id: {checkpoint_id[:160]!r} is not weights/<name> or "
                              "sampler_weights/<name>")
-    store = KINDS[kind][0]
-    return store, (state_object if kind == "weights" else sampler_object)(job_id, name)
+    store, folder, _ = KINDS[kind]
+    return store, save_object(job_id, folder, name)
 
 
 def utc(mtime: str | None) -> datetime:
