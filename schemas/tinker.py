@@ -196,6 +196,9 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     characters (a decode error names the field otherwise).
     prompt_logprobs: also the logprob of every prompt token after the first;
     prompt_logprobs_last_n > 0: of the last that many only (the others NaN).
+    seed: the SDK's `SamplingParams.seed`: completion i samples with the seed
+    `stats.derived_seed("tinker", seed, i)`, so the same request on the same weights
+    returns the same completions; None: unseeded.
     """
 
     job_id: str
@@ -224,6 +227,7 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     # record_stability_info: the API service records the sequences under this key (echoed
     # in the TinkerSamples); "" records nothing
     record_key: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), lt=2**63)] | None = None
 
 
 class SampledSequence(msgspec.Struct, frozen=True, kw_only=True):

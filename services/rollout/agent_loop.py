@@ -57,6 +57,7 @@ from opentinker.schemas import (
     TurnRecord,
 )
 from opentinker.schemas.rollout import SEATS_MISMATCH
+from opentinker.schemas.stats import derived_seed
 from opentinker.services.core import tracing
 from opentinker.services.rollout.chat import ChatRenderer
 from opentinker.services.rollout.coordinator import Coordinator, Game
@@ -87,7 +88,8 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
                  max_new_tokens: Sequence[int] | None = None,
-                 images: Sequence[Sequence[bytes]] | None = None) -> list[GenOut]: ...
+                 images: Sequence[Sequence[bytes]] | None = None,
+                 seeds: Sequence[int | None] | None = None) -> list[GenOut]: ...
 
 
 class EnvError(Exception):
@@ -114,6 +116,15 @@ class Phase(str, Enum):
 def episode_id(request_id: str, index: int) -> str:
     """Deterministic, so a redelivered request publishes the same ids (and dedups)."""
     return f"{request_id}-e{index}"
+
+
+def sample_seed(group_seed: int, episode_id: str, request_id: str, turn: int) -> int:
+    """The sampling seed of an episode's `turn`-th reply (0-based): a pure function of
+    the group's seed, the episode's place in its group (its id after the request id:
+    `-e3`, or `-e3-white` for a game's seat) and the turn. A job's seed so fixes its
+    samples as well as its prompts: two runs of a job draw the same completions where
+    their policies agree, and a redelivered request draws what the lost one did."""
+    return derived_seed("sample", group_seed, episode_id.removeprefix(request_id), turn)
 
 
 @dataclass
@@ -304,6 +315,7 @@ class AgentLoop:
         """One batched engine call for `active` (in the executor); returns the
         completions in order and the call's milliseconds."""
         limits = [self._budget(e.req) - len(e.token_ids) for e in active]
+        seeds = [sample_seed(e.req.group_seed, e.episode_id, e.req.request_id, len(e.turns)) for e in active]
         t0 = time.perf_counter()
         # one batched call for many episodes: its own span, linked to each of them
         with tracing.span("rollout.generate", attrs={"ot.prompts": len(active), "ot.policy_version": version},
@@ -311,7 +323,7 @@ class AgentLoop:
             # images only where some prompt has them: a text engine keeps its signature
             vision = {"images": [e.images for e in active]} if any(e.images for e in active) else {}
             outs = await asyncio.get_running_loop().run_in_executor(
-                self.executor, functools.partial(self.engine.generate, **vision),
+                self.executor, functools.partial(self.engine.generate, **vision, seeds=seeds),
                 [e.token_ids for e in active], [e.req.sampling for e in active], limits)
         if len(outs) != len(active):
             raise RuntimeError(f"engine returned {len(outs)} completions for {len(active)} prompts")

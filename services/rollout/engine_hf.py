@@ -59,10 +59,12 @@ def stop_token_ids(generation_config, tokenizer) -> set[int]:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None,
-           generator: torch.Generator | None = None,
+           generator: torch.Generator | Sequence[torch.Generator] | None = None,
            top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return (token [B] int64, logprob [B] float32).
 
+    generator: one for the batch, or one per row (a seeded request's own: its draws do
+    not depend on the rows beside it).
     logits: [B, V] float32; temperature, top_p: [B] (top_p None: 1 for every row); top_k:
     [B] int64 or None (k <= 0 keeps every token). A caller that knows no row filters
     passes None: each check of a tensor here is a wait for the device. A row with
@@ -85,9 +87,24 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor 
         drop[:, 0] = False
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
     logp = x.log_softmax(-1)
-    sampled = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+    probs = logp.exp()
+    if isinstance(generator, Sequence):
+        sampled = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)[:, 0] for i, g in enumerate(generator)])
+    else:
+        sampled = torch.multinomial(probs, 1, generator=generator)[:, 0]
     token = torch.where(greedy, logits.argmax(-1), sampled)
     return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+def per_request_generators(seeds: Sequence[int | None] | None, n: int, device: torch.device,
+                           shared: torch.Generator) -> list[torch.Generator] | None:
+    """One generator per prompt: its own, seeded with its seed, or `shared` where its
+    seed is None; None for no seeds. Raises ValueError unless one seed per prompt."""
+    if seeds is None:
+        return None
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} prompts")
+    return [shared if s is None else torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
 class HFEngine:
@@ -144,13 +161,18 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
                  max_new_tokens: Sequence[int] | None = None,
-                 images: Sequence[Sequence[bytes]] | None = None) -> list[GenOut]:
+                 images: Sequence[Sequence[bytes]] | None = None,
+                 seeds: Sequence[int | None] | None = None) -> list[GenOut]:
         """Sample a completion for every prompt.
 
         prompts: token ids; sampling: one for all or one per prompt; max_new_tokens:
         an optional per-prompt cap below `sampling.max_new_tokens`; images: per prompt,
-        its images (PNG/JPEG bytes) in placeholder order. Raises ValueError for a prompt
-        that leaves no room under max_model_len, or images for a text model.
+        its images (PNG/JPEG bytes) in placeholder order; seeds: per prompt, the seed of
+        its own generator (its completion is then a function of the seed, the prompt and
+        the weights, whatever else is in the batch); None (all, or a prompt's): the
+        engine's generator.
+        Raises ValueError for a prompt that leaves no room under max_model_len, images
+        for a text model, or seeds not one per prompt.
         """
         if not prompts:
             return []
@@ -162,10 +184,11 @@ class HFEngine:
                 raise ValueError(f"prompt {i} has {len(prompts[i])} tokens: no room under "
                                  f"max_model_len {self.max_model_len}")
         imgs = [list(x) for x in images] if images is not None else [[] for _ in prompts]
+        gens = per_request_generators(seeds, len(prompts), self.device, self.generator)
         out: list[GenOut] = []
         for at in range(0, len(prompts), MAX_BATCH):
             sl = slice(at, at + MAX_BATCH)
-            args = (prompts[sl], sps[sl], limits[sl], [b for x in imgs[sl] for b in x])
+            args = (prompts[sl], sps[sl], limits[sl], [b for x in imgs[sl] for b in x], gens and gens[sl])
             try:
                 out += self._generate(*args)
             except Exception as e:  # noqa: BLE001 - the compile's own failure, whatever its type
@@ -186,7 +209,7 @@ class HFEngine:
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], sps: list[SamplingParams], limits: list[int],
-                  images: list[bytes]) -> list[GenOut]:
+                  images: list[bytes], gens: list[torch.Generator] | None = None) -> list[GenOut]:
         b, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((b, width), dtype=torch.long)
@@ -213,6 +236,7 @@ class HFEngine:
             full = attn.new_zeros((rows, length))  # the whole cache's mask, one fixed shape
             full[:, :width] = attn
             temp, top_p, top_k = (torch.cat([x, x[-1:].expand(pad)]) for x in (temp, top_p, top_k))
+            gens = gens and gens + [self.generator] * pad  # padding rows draw from the engine's
             step = self._decode_step or self.model
         # the images go to the prefill only: the KV cache holds them after it
         res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
@@ -222,7 +246,7 @@ class HFEngine:
         reasons = ["length"] * b
         live = [True] * b
         for n in range(max(limits)):
-            tok, lp = sample(res.logits[:, -1].float(), temp, top_p if nucleus else None, self.generator,
+            tok, lp = sample(res.logits[:, -1].float(), temp, top_p if nucleus else None, gens or self.generator,
                              top_k if k_filter else None)
             # one transfer from the device a step: ids are exact in float64
             toks, lps = torch.stack([tok[:b].double(), lp[:b].double()]).tolist()

@@ -6,8 +6,13 @@ Nothing but service.py imports this module.
 - Prompts go in as token ids (TokensPrompt); the sampled token's logprob comes back
   under the processed distribution (logprobs_mode="processed_logprobs": after
   temperature and top-p), i.e. the distribution it was actually sampled from.
-- The engine is seeded once; a per-request `seed` kills the CPU engine ("CPU
-  Generator does not use offset", vLLM 0.32 on CPU).
+- Per-request seeds (`generate(seeds=...)`): each request samples from its own
+  generator, so its completion does not depend on what else is in the batch. vLLM
+  rewinds a request's generator after a partial (chunked) prefill, and a CPU torch
+  generator has no offset to rewind ("CPU Generator does not use offset" kills the
+  engine), so on CPU chunked prefill is off: a prompt is prefilled whole, in a step
+  of its own when it does not fit beside others (tests/integration/test_vllm_seeds.py).
+  Unseeded requests draw from the engine's generator, seeded once.
 - LoRA adapters up to `max_lora_rank` are applied by vLLM per request (multi-LoRA,
   `use_lora`): jobs sharing the engine switch adapters without touching the weights.
 - Weights reload in place by Hugging Face name (`reload_weights`), a partial load of
@@ -121,9 +126,14 @@ class VLLMEngine:
         lora = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank} if max_loras > 0 else {}
         # on CPU torch.compile costs ~70 s at start and ran slower than eager here
         # (measured); on a GPU, compiled graphs pay off
+        # a seeded request's generator is rewound after a partial prefill, which a CPU
+        # generator cannot do (module docstring); a step's token budget (vLLM's CPU
+        # default, 4096) must then hold the longest prompt
+        whole_prefill = ({"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+                         if device != "cuda" else {})
         self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        logprobs_mode="processed_logprobs", enforce_eager=device != "cuda",
-                       gpu_memory_utilization=gpu_memory_utilization, **lora)
+                       gpu_memory_utilization=gpu_memory_utilization, **lora, **whole_prefill)
         self.lora = None  # the LoRARequest the next generate() applies
         self._lora_ids: dict[str, int] = {}  # adapter folder -> vLLM's id
         self._next_lora_id = 1
@@ -147,13 +157,16 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
                  max_new_tokens: Sequence[int] | None = None,
-                 images: Sequence[Sequence[bytes]] | None = None) -> list[GenOut]:
+                 images: Sequence[Sequence[bytes]] | None = None,
+                 seeds: Sequence[int | None] | None = None) -> list[GenOut]:
         """Sample a completion for every prompt (see agent_loop.Engine).
 
         images: per prompt, its images (PNG/JPEG bytes) in the order of their
         placeholders, which the prompt holds already expanded (module docstring).
-        Raises ValueError for a prompt that leaves no room under max_model_len, or whose
-        images do not match its placeholders.
+        seeds: per prompt, vLLM's per-request seed (None, all or a prompt's: the
+        engine's generator).
+        Raises ValueError for a prompt that leaves no room under max_model_len, whose
+        images do not match its placeholders, or seeds not one per prompt.
         """
         from vllm import SamplingParams as VSamplingParams
 
@@ -161,14 +174,17 @@ class VLLMEngine:
             return []
         sps = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         caps = list(max_new_tokens) if max_new_tokens is not None else [s.max_new_tokens for s in sps]
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         params = []
         for i, (s, cap, p) in enumerate(zip(sps, caps, prompts)):
             n = min(s.max_new_tokens, cap, self.max_model_len - len(p))
             if n < 1:
                 raise ValueError(f"prompt {i} has {len(p)} tokens: no room under max_model_len {self.max_model_len}")
             # logprobs=0: only the sampled token's logprob
+            seed = None if seeds is None or seeds[i] is None else int(seeds[i])
             params.append(VSamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
-                                          max_tokens=n, logprobs=0))
+                                          max_tokens=n, logprobs=0, seed=seed))
         outs = self.llm.generate(self._inputs(prompts, images), params, use_tqdm=False, lora_request=self.lora)
         self._check_prompts(prompts, outs)
         res = []

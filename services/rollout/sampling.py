@@ -39,6 +39,7 @@ from nats.aio.msg import Msg
 from opentinker.schemas import JobRecord, SamplingParams
 from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import TOPK_MASK_LOGPROB, SampledSequence, TinkerSample, TinkerSamples
+from opentinker.schemas.stats import derived_seed
 from opentinker.services.rollout.weights import WeightsError
 
 if TYPE_CHECKING:
@@ -155,6 +156,14 @@ def with_topk(seq: SampledSequence, topk: tuple[np.ndarray, np.ndarray] | None) 
                                    topk_logprobs=topk[1][:n].astype("<f4").tobytes())
 
 
+def sample_seeds(req: TinkerSample) -> list[int | None]:
+    """The sampling seed of each of `req`'s completions: derived_seed("tinker", seed, i)
+    for completion i of a seeded request (TinkerSample.seed), None for an unseeded one."""
+    if req.seed is None:
+        return [None] * req.num_samples
+    return [derived_seed("tinker", req.seed, i) for i in range(req.num_samples)]
+
+
 # per request: completions, prompt logprobs, top-k prompt logprobs, per completion its top-k
 Sampled = tuple[list[Any], list[float], dict[str, Any], list[tuple[np.ndarray, np.ndarray] | None]]
 
@@ -170,6 +179,7 @@ def samples_blocking(engine: Any, reqs: list[TinkerSample]) -> list[Sampled | Va
     got: list[Sampled | ValueError | None] = [None] * len(reqs)
     prompts: list[list[int]] = []
     params: list[SamplingParams] = []
+    seeds: list[int | None] = []
     served: list[int] = []
     for i, req in enumerate(reqs):
         try:
@@ -179,8 +189,9 @@ def samples_blocking(engine: Any, reqs: list[TinkerSample]) -> list[Sampled | Va
             continue
         prompts += [list(req.tokens)] * req.num_samples
         params += [sp] * req.num_samples
+        seeds += sample_seeds(req)
         served.append(i)
-    outs = engine.generate(prompts, params) if prompts else []
+    outs = engine.generate(prompts, params, seeds=seeds) if prompts else []
     at = 0
     for i in served:
         mine, at = outs[at:at + reqs[i].num_samples], at + reqs[i].num_samples

@@ -415,7 +415,7 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
                                        stop_tokens=stop_tokens,
                                        stop_strings=stop_strings, prompt_logprobs=b.prompt_logprobs,
                                        prompt_logprobs_last_n=last_n or 0, topk_prompt_logprobs=k,
-                                       topk_sample_logprobs=ks),
+                                       topk_sample_logprobs=ks, seed=p.seed),
                                   TinkerSample)
         except (wire.WireError, msgspec.ValidationError) as e:
             raise ApiError(400, str(e)) from None

@@ -218,9 +218,9 @@ async def test_an_opponent_jobs_policy_plays_its_seat_in_calls_of_its_own(engine
     class Recording:
         name, max_model_len, tokenizer = engine.name, engine.max_model_len, engine.tokenizer
 
-        def generate(self, prompts, sampling, max_new_tokens=None):
+        def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
             log.append(("generate", len(prompts)))
-            return engine.generate(prompts, sampling, max_new_tokens)
+            return engine.generate(prompts, sampling, max_new_tokens, seeds=seeds)
 
     async def versions(of: str = "") -> int:
         log.append(("policy", of))

@@ -66,10 +66,12 @@ class Recording:
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.calls: list[tuple[list[list[int]], list]] = []
+        self.seeds: list[list[int]] = []  # per call, the seed of each prompt
 
-    def generate(self, prompts, sampling, max_new_tokens=None):
-        outs = self.inner.generate(prompts, sampling, max_new_tokens)
+    def generate(self, prompts, sampling, max_new_tokens=None, seeds=None):
+        outs = self.inner.generate(prompts, sampling, max_new_tokens, seeds=seeds)
         self.calls.append(([list(p) for p in prompts], outs))
+        self.seeds.append(list(seeds or []))
         return outs
 
 
