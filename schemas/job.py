@@ -145,8 +145,9 @@ class JobSpec(Message, frozen=True, kw_only=True, forbid_unknown_fields=True):
     sampling: Doc(SamplingParams, "How rollouts are sampled: the `[sampling]` table, options `sampling.*`.") = \
         msgspec.field(default_factory=SamplingParams)
     seed: Bounded(int, 0, 2**63 - 1, doc=(
-        "Seeds each group's initial state (its prompt), the order of updates and SFT's order of examples; the "
-        "sampler's draws are seeded by the rollout worker, not the job.")) = 0
+        "Seeds each group's initial state (its prompt), the sampler's draws (each reply samples with a seed of "
+        "its group's seed, its episode's place in the group and its turn: two runs of a job draw the same "
+        "completions while their policies agree), the order of updates and SFT's order of examples.")) = 0
     checkpoint_every: Bounded(int, 1, 1_000_000, doc="Steps between checkpoints; the last step saves one too.") = 10
     engine: Doc(Engine, (
         "The rollout's generation engine: `vllm`, `hf` (transformers), or `auto`: vLLM when it can run the "

@@ -372,6 +372,16 @@ async def test_rl_loop_samples_scores_and_trains(stack, smollm2, bus, services):
                  for _ in range(8)]
         burst = [f.result() for f in burst]
         assert all(len(r.sequences) == 2 and all(1 <= len(s.tokens) <= 3 for s in r.sequences) for r in burst)
+        # sampling_params.seed: the same seeded call on the same weights, alone or in a
+        # burst, returns the same completions; another seed others
+        seeded = [base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=4,
+                                      sampling_params=tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=s))
+                  for s in (5, 6, 5)]
+        seeded = [[list(x.tokens) for x in f.result().sequences] for f in seeded]
+        again = base_sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=4,
+                                    sampling_params=tinker.SamplingParams(max_tokens=6, temperature=1.0,
+                                                                          seed=5)).result()
+        assert seeded[0] == seeded[2] == [list(x.tokens) for x in again.sequences] != seeded[1], seeded
         # what the cookbook's on-policy distillation asks of a teacher: the logprobs of a sequence
         scored = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt)).result()
         suffix = base_sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt), prompt_logprobs_last_n=3).result()

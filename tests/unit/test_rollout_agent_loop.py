@@ -85,7 +85,7 @@ def engine(tiny_model):
 def request(**kw) -> RolloutRequest:
     sampling = kw.pop("sampling", SamplingParams(max_new_tokens=6, max_turns=3, max_total_tokens=512))
     return RolloutRequest(job_id="j1", request_id=kw.pop("request_id", "r1"), step=0, group_index=0,
-                          group_seed=7, policy_version=0, model="tiny", env="count",
+                          group_seed=kw.pop("group_seed", 7), policy_version=0, model="tiny", env="count",
                           group_size=kw.pop("group_size", 2), sampling=sampling, **kw)
 
 
@@ -141,6 +141,27 @@ async def test_multi_turn_trajectory_is_token_exact(engine):
         assert t.env_info == {"turn": 3} and t.engine == "hf" and t.worker == "w0"
         assert game.actions[t.episode_id] == [turn.action for turn in t.turns]
     assert game.closed == []  # the env said done: nothing to close
+
+
+async def test_a_groups_seed_fixes_its_samples(engine):
+    """Each reply samples with sample_seed(group seed, the episode's place in its group,
+    turn): the same group seed under another request id (a rerun of the job, a
+    redelivered request) draws the same episodes, token for token; another group seed
+    draws others, and the episodes of a group differ from each other."""
+    from opentinker.services.rollout.agent_loop import sample_seed
+
+    engine.seeds.clear()
+    [a] = await AgentLoop(engine, CountingGame()).run([request(request_id="ra", group_size=3)], version0)
+    assert engine.seeds[0] == [sample_seed(7, f"ra-e{i}", "ra", 0) for i in range(3)]
+    assert engine.seeds[1] == [sample_seed(7, f"ra-e{i}", "ra", 1) for i in range(3)]
+    assert sample_seed(7, "ra-e0", "ra", 1) == sample_seed(7, "rb-e0", "rb", 1) != sample_seed(7, "ra-e1", "ra", 1)
+    [b] = await AgentLoop(engine, CountingGame()).run([request(request_id="rb", group_size=3)], version0)
+    assert [t.token_ids for t in b] == [t.token_ids for t in a]
+    assert [t.logprobs for t in b] == [t.logprobs for t in a]
+    assert len({tuple(t.token_ids) for t in a}) == 3
+    [c] = await AgentLoop(engine, CountingGame()).run([request(request_id="rc", group_size=3, group_seed=8)],
+                                                      version0)
+    assert [t.token_ids for t in c] != [t.token_ids for t in a]
 
 
 async def test_turn_limit_and_token_budget_end_the_episode(engine):

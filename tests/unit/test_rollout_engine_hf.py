@@ -96,6 +96,28 @@ def test_prompt_top_k_are_the_k_most_likely_tokens_most_likely_first_and_hold_th
     assert all((top[t, :-1] >= top[t, 1:]).all() and top[t, 0] >= lps[t] - 1e-6 for t in range(1, len(prompt)))
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_seeded_completion_does_not_depend_on_its_batch(tiny_model, decode):
+    """Per-request seeds: each row draws from its own generator, so a seeded prompt's
+    completion is the same alone, reversed in its batch, or beside unseeded prompts (and
+    the static cache's padding rows); other seeds draw other completions."""
+    from opentinker.services.rollout.engine_hf import HFEngine
+
+    eng = HFEngine(tiny_model, seed=0, decode=decode)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+    prompts = [[1, 20 + i, 30, 40] for i in range(5)]
+    seeds = [11, 12, 13, 14, 15]
+    first = [o.token_ids for o in eng.generate(prompts, sp, seeds=seeds)]
+    alone = [o.token_ids for o in eng.generate(prompts[2:3], sp, seeds=seeds[2:3])]
+    assert alone == first[2:3]
+    mixed = eng.generate(prompts[::-1] + [[1, 99]] * 2, sp, seeds=seeds[::-1] + [None] * 2)
+    assert [o.token_ids for o in mixed[:5]][::-1] == first
+    other = [o.token_ids for o in eng.generate(prompts, sp, seeds=[s + 100 for s in seeds])]
+    assert sum(a != b for a, b in zip(other, first)) >= 4
+    with pytest.raises(ValueError, match="2 seeds for 5 prompts"):
+        eng.generate(prompts, sp, seeds=[1, 2])
+
+
 def test_resolve_decode_and_batch_buckets():
     from opentinker.services.rollout.engine_hf import MAX_BATCH, bucket, resolve_decode
 

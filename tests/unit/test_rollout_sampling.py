@@ -129,6 +129,35 @@ def test_one_batch_of_sample_calls_is_one_engine_call_and_a_bad_one_fails_alone(
     assert batch_key(reqs[0]) == batch_key(reqs[4]) != batch_key(other)
 
 
+def test_a_seeded_sample_call_returns_the_same_completions_in_any_batch(tiny_model):
+    """Tinker's `sampling_params.seed`: completion i of a seeded call samples with
+    derived_seed("tinker", seed, i), so the call returns the same completions alone or
+    batched with other calls; its num_samples completions differ from each other, and
+    another seed draws others."""
+    from opentinker.schemas.stats import derived_seed
+    from opentinker.services.rollout.engine_hf import HFEngine
+    from opentinker.services.rollout.sampling import sample_seeds, samples_blocking
+
+    eng = HFEngine(tiny_model, seed=3)
+
+    def call(seed, tokens=(5, 6, 7), **kw):
+        return TinkerSample(job_id="j", sampler="ts-0123456789-s0", seq_id=0, tokens=list(tokens),
+                            num_samples=3, max_tokens=8, seed=seed, **kw)
+
+    assert sample_seeds(call(42)) == [derived_seed("tinker", 42, i) for i in range(3)]
+    assert sample_seeds(call(None)) == [None] * 3
+
+    def ids(got):
+        return [o.token_ids for o in got[0]]
+
+    [alone] = samples_blocking(eng, [call(42)])
+    unseeded, seeded, _ = samples_blocking(eng, [call(None, (9, 9)), call(42), call(7, (4,))])
+    assert ids(seeded) == ids(alone) and len({tuple(x) for x in ids(alone)}) == 3
+    [other] = samples_blocking(eng, [call(43)])
+    assert ids(other) != ids(alone)
+    assert TinkerSample(job_id="j", sampler="s", seq_id=0, tokens=[1]).seed is None
+
+
 def test_top_k_sample_logprobs_are_the_raw_distributions_at_each_kept_token(tiny_model):
     """Tinker's topk_sample_logprobs: at each sampled position the k most likely tokens
     of the raw distribution, from one pass over prompt + completion, cut with the
