@@ -272,14 +272,17 @@ TRL_LIBRARIES = ("torch", "transformers", "trl", "peft")
 
 
 def trl_job(run: Mapping[str, Any]) -> str | None:
-    """The TRL job a results file ran, or would have: the machine, the libraries TRL's
-    side runs on (TRL_LIBRARIES) and TRL_FIELDS of its OpenTinker spec, as JSON (None
-    without a spec)."""
+    """The TRL job a results file ran, or would have: the machine and its CPU (model,
+    AMX: `dtype = "auto"` trains in bfloat16 only with AMX), the libraries TRL's side
+    runs on (TRL_LIBRARIES) and TRL_FIELDS of its OpenTinker spec, as JSON (None without
+    a spec)."""
     spec = next((s["spec"] for s in run.get("systems", {}).values() if isinstance(s, Mapping) and "spec" in s), None)
     if spec is None:
         return None
     versions = run.get("versions", {})
-    return json.dumps({"machine": run.get("machine"), **{v: versions.get(v) for v in TRL_LIBRARIES},
+    cpu = run.get("cpu") or {}
+    return json.dumps({"machine": run.get("machine"), "cpu": [cpu.get("model"), cpu.get("amx")],
+                       **{v: versions.get(v) for v in TRL_LIBRARIES},
                        **{f: spec.get(f) for f in TRL_FIELDS}}, sort_keys=True)
 
 

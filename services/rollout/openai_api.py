@@ -15,7 +15,9 @@ Per job, under the base URL the scheduler records as `JobRecord.endpoint`
   model, or the trained job's newest weights when it was submitted with `policy_of`.
   It holds the engine slot's lock, so a rollout of another job never swaps weights in
   the middle.
-- **Scope:** no streaming and n = 1; other requests get 422.
+- **Scope:** no streaming and n = 1; other requests get 422. `seed` is served: the
+  same request with the same seed on the same policy version returns the same
+  completion (the engine's per-request seed).
 - **Errors:** OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
   `system_fingerprint` names the policy version served, e.g. "opentinker-v1".
 """
@@ -23,6 +25,7 @@ Per job, under the base URL the scheduler records as `JobRecord.endpoint`
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import time
@@ -65,6 +68,8 @@ class ChatRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description=(
+        "the same request with the same seed on the same policy version returns the same completion"))
 
 
 class CompletionRequest(BaseModel):
@@ -75,6 +80,8 @@ class CompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description=(
+        "the same request with the same seed on the same policy version returns the same completion"))
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -112,7 +119,8 @@ def make_app(worker: RolloutWorker) -> FastAPI:
             raise ApiError(401, f"wrong endpoint token for job {job_id}")
         return rec
 
-    async def generate(rec: JobRecord, prompt_of: Any, sampling: SamplingParams) -> tuple[Any, list[int], int, Any]:
+    async def generate(rec: JobRecord, prompt_of: Any, sampling: SamplingParams,
+                       seed: int | None) -> tuple[Any, list[int], int, Any]:
         try:
             slot = await worker.engine_for_model(rec.spec.model, rec.spec.engine, rec.spec.sampler_dtype,
                                                  rec.spec.dtype)
@@ -126,7 +134,8 @@ def make_app(worker: RolloutWorker) -> FastAPI:
         async with slot.lock:
             version = await worker.policies.ensure_policy(slot, rec.job_id, 0)
             try:
-                out = (await loop.run_in_executor(slot.executor, slot.engine.generate, [ids], sampling))[0]
+                out = (await loop.run_in_executor(slot.executor, functools.partial(
+                    slot.engine.generate, [ids], sampling, seeds=[seed])))[0]
             except ValueError as e:  # a prompt that leaves no room
                 raise ApiError(422, str(e), "messages") from None
         return slot, ids, version, out
@@ -153,7 +162,8 @@ def make_app(worker: RolloutWorker) -> FastAPI:
         messages = [m.model_dump() for m in body.messages]
         n = body.max_completion_tokens or body.max_tokens or MAX_TOKENS_DEFAULT
         slot, ids, version, out = await generate(
-            rec, lambda tok: ChatRenderer(tok).prompt_ids(messages), _sampling(body.temperature, body.top_p, n))
+            rec, lambda tok: ChatRenderer(tok).prompt_ids(messages), _sampling(body.temperature, body.top_p, n),
+            body.seed)
         text = slot.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": rec.spec.model, "system_fingerprint": f"opentinker-v{version}",
@@ -173,7 +183,7 @@ def make_app(worker: RolloutWorker) -> FastAPI:
             return list(tok(body.prompt)["input_ids"])
 
         slot, ids, version, out = await generate(rec, prompt_of,
-                                                 _sampling(body.temperature, body.top_p, body.max_tokens))
+                                                 _sampling(body.temperature, body.top_p, body.max_tokens), body.seed)
         text = slot.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": rec.spec.model, "system_fingerprint": f"opentinker-v{version}",

@@ -119,9 +119,10 @@ def test_seeds_table_gives_each_seed_and_the_mean_and_sd_leaving_out_a_never():
     assert "no later than sync in 1 of 3 seeds" in text
 
 
-def _spec_run(seed, trl, sync, asyn, date, trl_run_s=800.0, **spec):
+def _spec_run(seed, trl, sync, asyn, date, trl_run_s=800.0, cpu="Xeon", **spec):
     run = _seed_run(seed, trl, sync, asyn, date=date)
     run["machine"] = "x86_64 2 cores"
+    run["cpu"] = {"model": cpu, "cores_per_socket": 2, "amx": cpu == "Xeon"}
     job = {"model": "m", "lr": 1e-3, "seed": seed, "dynamic_sampling": 0, **spec}
     for name in ("sync", "async"):
         run["systems"][name]["spec"] = job
@@ -134,9 +135,9 @@ def _spec_run(seed, trl, sync, asyn, date, trl_run_s=800.0, **spec):
 
 def test_a_group_run_without_trl_is_set_against_trl_runs_of_the_same_trl_job_and_seed():
     """An `--only sync,async` group is compared with TRL's runs of other files made before
-    it only where TRL's job is the same (every field TRL reads, the seed, the machine and
-    the libraries); a TRL run that never reached 0.8 gives a lower bound at its whole
-    training time."""
+    it only where TRL's job is the same (every field TRL reads, the seed, the machine, its
+    CPU model and the libraries); a TRL run that never reached 0.8 gives a lower bound at
+    its whole training time."""
     old = {f"old{s}": _spec_run(s, t, 300.0, 200.0, "2026-11-29 04:00") for s, t in ((0, 600.0), (1, None))}
     older = {"older0": _spec_run(0, 900.0, 1.0, 1.0, "2026-11-28 04:00"),
              "later0": _spec_run(0, 1.0, 1.0, 1.0, "2026-11-29 08:00")}  # made after the group: not its reference
@@ -148,6 +149,10 @@ def test_a_group_run_without_trl_is_set_against_trl_runs_of_the_same_trl_job_and
     pool = {**old, **older, **other_lr, **{f"new{i}": r for i, r in enumerate(new)}}
     assert R.trl_stand_ins(new, pool) == ["old0", "old1"]  # the newest of the same job, per seed
     assert R.trl_stand_ins(new, {**older, **other_lr}) is None  # seed 1 has none
+    # the same job on a machine with another CPU (same "x86_64 2 cores") is no stand-in
+    on_amd = [_spec_run(s, None, 200.0, a, "2026-11-30 07:00", trl_run_s=None, cpu="EPYC", dynamic_sampling=2)
+              for s, a in ((0, 150.0), (1, 160.0))]
+    assert R.trl_stand_ins(on_amd, pool) is None
     text = R.against_trl_table(new, [old["old0"], old["old1"]])
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")]
     assert rows[0][1:] == ["trl to 0.8 (s)", "sync to 0.8 (s)", "sync vs trl, time", "async to 0.8 (s)",
