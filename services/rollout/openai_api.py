@@ -39,6 +39,7 @@ from pydantic import BaseModel, Field
 
 from opentinker.schemas import JobRecord, SamplingParams
 from opentinker.schemas.job import JOB_ID_RE
+from opentinker.schemas.stats import derived_seed
 from opentinker.services.rollout.chat import ChatRenderer
 from opentinker.services.rollout.sampling import out_of_vocab
 
@@ -134,8 +135,11 @@ def make_app(worker: RolloutWorker) -> FastAPI:
         async with slot.lock:
             version = await worker.policies.ensure_policy(slot, rec.job_id, 0)
             try:
+                # the engine's seed a function of the caller's: any 64-bit value maps into
+                # [0, 2**31) (vLLM reads a seed of -1 as none)
+                seeds = [None if seed is None else derived_seed("openai", seed)]
                 out = (await loop.run_in_executor(slot.executor, functools.partial(
-                    slot.engine.generate, [ids], sampling, seeds=[seed])))[0]
+                    slot.engine.generate, [ids], sampling, seeds=seeds)))[0]
             except ValueError as e:  # a prompt that leaves no room
                 raise ApiError(422, str(e), "messages") from None
         return slot, ids, version, out
