@@ -127,6 +127,16 @@ def sample_seed(group_seed: int, episode_id: str, request_id: str, turn: int) ->
     return derived_seed("sample", group_seed, episode_id.removeprefix(request_id), turn)
 
 
+def seeds_per_prompt(seeds: Sequence[int | None] | None, n: int) -> list[int | None]:
+    """An engine's `seeds` argument as one seed (or None: the engine's generator) per
+    prompt of `n`; None gives n Nones. Raises ValueError unless one seed per prompt."""
+    if seeds is None:
+        return [None] * n
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} prompts")
+    return [None if x is None else int(x) for x in seeds]
+
+
 @dataclass
 class _Episode:
     req: RolloutRequest

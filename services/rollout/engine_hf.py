@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from opentinker.schemas import SamplingParams
 from opentinker.schemas.tinker import TOPK_MASK_LOGPROB
 from opentinker.services.core.models import load_policy_model, load_processor, vision_inputs
-from opentinker.services.rollout.agent_loop import GenOut
+from opentinker.services.rollout.agent_loop import GenOut, seeds_per_prompt
 
 log = logging.getLogger("opentinker.rollout")
 
@@ -102,9 +102,7 @@ def per_request_generators(seeds: Sequence[int | None] | None, n: int, device: t
     seed is None; None for no seeds. Raises ValueError unless one seed per prompt."""
     if seeds is None:
         return None
-    if len(seeds) != n:
-        raise ValueError(f"{len(seeds)} seeds for {n} prompts")
-    return [shared if s is None else torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    return [shared if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds_per_prompt(seeds, n)]
 
 
 class HFEngine:

@@ -63,7 +63,7 @@ import torch  # noqa: E402
 from opentinker.schemas import SamplingParams  # noqa: E402
 from opentinker.schemas.tinker import TOPK_MASK_LOGPROB  # noqa: E402
 from opentinker.services.core.models import load_processor  # noqa: E402
-from opentinker.services.rollout.agent_loop import GenOut  # noqa: E402
+from opentinker.services.rollout.agent_loop import GenOut, seeds_per_prompt  # noqa: E402
 from opentinker.services.rollout.weights import BaseWeights, WeightsError  # noqa: E402
 
 log = logging.getLogger("opentinker.rollout.vllm")
@@ -174,15 +174,13 @@ class VLLMEngine:
             return []
         sps = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         caps = list(max_new_tokens) if max_new_tokens is not None else [s.max_new_tokens for s in sps]
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        per_prompt = seeds_per_prompt(seeds, len(prompts))
         params = []
-        for i, (s, cap, p) in enumerate(zip(sps, caps, prompts)):
+        for i, (s, cap, p, seed) in enumerate(zip(sps, caps, prompts, per_prompt)):
             n = min(s.max_new_tokens, cap, self.max_model_len - len(p))
             if n < 1:
                 raise ValueError(f"prompt {i} has {len(p)} tokens: no room under max_model_len {self.max_model_len}")
             # logprobs=0: only the sampled token's logprob
-            seed = None if seeds is None or seeds[i] is None else int(seeds[i])
             params.append(VSamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
                                           max_tokens=n, logprobs=0, seed=seed))
         outs = self.llm.generate(self._inputs(prompts, images), params, use_tqdm=False, lora_request=self.lora)
