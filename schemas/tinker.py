@@ -227,7 +227,7 @@ class TinkerSample(Message, frozen=True, kw_only=True):
     # record_stability_info: the API service records the sequences under this key (echoed
     # in the TinkerSamples); "" records nothing
     record_key: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    seed: Annotated[int, msgspec.Meta(ge=-(2**63), lt=2**63)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
 
 
 class SampledSequence(msgspec.Struct, frozen=True, kw_only=True):

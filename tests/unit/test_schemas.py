@@ -62,3 +62,29 @@ def test_job_ids_cannot_forge_subjects():
     for bad in ("a.b", "a*", "A", "x>", "", "a b"):
         with pytest.raises(ValueError):
             S.job(bad, "traj")
+
+
+def _bus_structs() -> list[type]:
+    """Every msgspec Struct the schemas package defines (its modules' own, not imports)."""
+    import importlib
+    import pkgutil
+
+    import opentinker.schemas as pkg
+
+    found = []
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"{pkg.__name__}.{mod.name}")
+        found += [v for v in vars(module).values()
+                  if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == module.__name__]
+    return found
+
+
+def test_every_schema_struct_gets_a_decoder():
+    """msgspec checks a type's constraints when a decoder is built, not when the module
+    is imported: a bound it cannot hold (an integer bound outside int64, such as
+    `lt=2**63`) raised only at the first decode of that message, inside a service."""
+    structs = _bus_structs()
+    assert len(structs) > 30
+    for kind in structs:
+        msgspec.msgpack.Decoder(kind)
+        msgspec.json.Decoder(kind)
