@@ -143,6 +143,10 @@ class TinkerOp(Message, frozen=True, kw_only=True):
     error: set by the API service for a request it refuses (a bad name, a path the user
         may not name): the op still takes its place in the order, and the learner
         answers it with this error.
+    ttl_s / user_metadata: a save's ttl_seconds (0: kept until its job's record goes)
+        and user metadata, checked by the API service; the learner keeps them
+        (TinkerCheckpointMeta) once the save is written, so a save it refuses leaves the
+        name's earlier save and metadata as they were.
     """
 
     job_id: str
@@ -160,6 +164,8 @@ class TinkerOp(Message, frozen=True, kw_only=True):
     # save_sampler for save_weights_and_get_sampling_client: the sampling session to open
     # on the saved weights (-1: none, a named save)
     sampling_session_seq_id: int = -1
+    ttl_s: Count = 0
+    user_metadata: Metadata = msgspec.field(default_factory=dict)
 
 
 class TinkerResult(Message, frozen=True, kw_only=True):
@@ -303,9 +309,9 @@ class TinkerRunMeta(Message, frozen=True, kw_only=True):
 
 
 class TinkerCheckpointMeta(Message, frozen=True, kw_only=True):
-    """A save's ttl and user_metadata (KV `ot_tinker`, `ckpt.<job_id>.<kind>.<hex of
-    the name>`; none for a save without either). expires_s: when the save is deleted
-    (unix s; 0: never)."""
+    """A save's ttl and user_metadata (KV `ot_tinker`, checkpoint_key; none for a save
+    without either), written by the learner once the save is. expires_s: when the save
+    is deleted (unix s; 0: never)."""
 
     job_id: str
     user: str
@@ -313,6 +319,14 @@ class TinkerCheckpointMeta(Message, frozen=True, kw_only=True):
     name: str
     expires_s: float = 0.0
     user_metadata: Metadata = msgspec.field(default_factory=dict)
+
+
+def checkpoint_key(job_id: str, kind: str, name: str) -> str:
+    """The KV `ot_tinker` key of the TinkerCheckpointMeta of a save, `kind` "weights"
+    (save_state) or "sampler_weights" (save_weights_for_sampler): `ckpt.<job_id>.<kind>.
+    <hex of the name>` (a save name may hold dots, which a key's tokens may not run
+    together)."""
+    return f"ckpt.{job_id}.{kind}.{name.encode().hex()}"
 
 
 class TinkerSampler(Message, frozen=True, kw_only=True):

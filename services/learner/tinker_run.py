@@ -18,6 +18,8 @@ publishing each TinkerResult on `ot.job.<id>.results.<seq>` before acking the op
 - save_sampler: the weights (a peft adapter) under a name in `ot_weights`.
   Both saves are refused (a failed op naming `store_bytes_per_user`) once the objects of
   the user's jobs hold that many bytes; they are deleted with their job's record.
+  A written save's ttl_seconds and user_metadata (the op's ttl_s, user_metadata) are
+  kept in KV `ot_tinker` (TinkerCheckpointMeta), for the API's listing and expiry.
 - close (on `ot.job.<id>.ops.close`, outside the order): after the ops held in order,
   export the policy (`<home>/checkpoints/<job>/final`) and complete; the job's ops are
   then purged from OT_TINKER.
@@ -31,6 +33,7 @@ it had said ready, fails the job saying so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -38,11 +41,13 @@ import time
 import numpy as np
 import torch
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from opentinker.schemas import encode
 from opentinker.schemas import subjects as S
-from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, TinkerDatum, TinkerOp, TinkerResult, TinkerTensor,
-                                       overwrite_refused, sampler_object)
+from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, TinkerCheckpointMeta, TinkerDatum, TinkerOp,
+                                       TinkerResult, TinkerTensor, checkpoint_key, overwrite_refused,
+                                       sampler_object)
 from opentinker.services.core import access
 from opentinker.services.learner import checkpoint
 from opentinker.services.learner.lifecycle import RunLifecycle
@@ -204,12 +209,14 @@ class TinkerRun(RunLifecycle):
             return TinkerResult(**r, metrics={f"{k}:mean": v for k, v in out.items()}, policy_version=self.version)
         if op.op == "save_state":
             await self.save_named(op.name, op.overwrite)
+            await self.note_save(op, "weights")
             return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version)
         if op.op == "save_sampler":
             check_name(op.name)
             await self.check_store_quota("save_weights_for_sampler")
             data = await self.in_engine(self.engine.weights_bytes)
             await self.bus.put_object(S.OBJ_WEIGHTS, sampler_object(self.job_id, op.name), data)
+            await self.note_save(op, "sampler_weights")
             return TinkerResult(**r, path=f"{self.job_id}/{op.name}", policy_version=self.version,
                                 sampling_session_seq_id=op.sampling_session_seq_id)
         if op.op == "load_state":
@@ -236,6 +243,22 @@ class TinkerRun(RunLifecycle):
             raise OpError(f"{what}: your jobs' saves and weights hold {used} bytes (store_bytes_per_user = {cap}); "
                           "a finished job's are deleted with its record (job_retention_days, "
                           "finished_jobs_per_user)")
+
+    async def note_save(self, op: TinkerOp, kind: str, now: float | None = None) -> None:
+        """Keep a written save's expiry (op.ttl_s from `now`; 0: never) and user metadata
+        (TinkerCheckpointMeta, KV `ot_tinker`, checkpoint_key), replacing what an earlier
+        save of the name had; neither: the key is purged. Called only after the save is
+        written, so a refused save leaves the name's earlier metadata alone."""
+        kv = await self.bus.kv(S.KV_TINKER)
+        key = checkpoint_key(self.job_id, kind, op.name)
+        if not op.ttl_s and not op.user_metadata:
+            with contextlib.suppress(KeyNotFoundError):
+                await kv.purge(key)
+            return
+        now = time.time() if now is None else now
+        await kv.put(key, encode(TinkerCheckpointMeta(
+            job_id=self.job_id, user=self.tenant.user, kind=kind, name=op.name,
+            expires_s=now + op.ttl_s if op.ttl_s else 0.0, user_metadata=op.user_metadata)))
 
     async def save_named(self, name: str, overwrite: bool) -> None:
         """Weights and optimizer state under `name` (checkpoint.object_name). Raises

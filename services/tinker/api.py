@@ -314,10 +314,11 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
     async def save_op(user: str, b: SaveBody, kind: str) -> TinkerOp:
         """A save; save_weights_and_get_sampling_client names no path: its weights are
         saved as `sampler-<sampling_session_seq_id>` and a sampling session opens on them.
-        Its ttl_seconds and user_metadata are kept (runs.note_save). A bad name, ttl or
-        metadata fails the op's own future, in its place in the model's order."""
+        Its ttl_seconds and user_metadata go with the op (the learner keeps them once the
+        save is written). A bad name, ttl or metadata fails the op's own future, in its
+        place in the model's order."""
         job_id = await gw.own_model(user, b.model_id)
-        error, name, session = "", b.path or "", -1
+        error, name, session, ttl_s, md = "", b.path or "", -1, 0, {}
         if not name and kind == "save_sampler" and b.sampling_session_seq_id is not None:
             name, session = f"sampler-{b.sampling_session_seq_id}", b.sampling_session_seq_id
         try:
@@ -328,11 +329,8 @@ def make_app(gw: Gateway, runs: Runs | None = None) -> FastAPI:
         if not error and kind == "save_state" and not b.overwrite and \
                 await gw.bus.has_object(*object_of_checkpoint(job_id, f"weights/{name}")):
             error = overwrite_refused(name)  # checked again by the learner, in the model's order
-        if not error:
-            await runs.note_save(user, job_id, "weights" if kind == "save_state" else "sampler_weights", name,
-                                 ttl_s, md)
         return TinkerOp(job_id=job_id, seq_id=b.seq_id, op=kind, name=name, error=error, overwrite=b.overwrite,
-                        sampling_session_seq_id=session)
+                        sampling_session_seq_id=session, ttl_s=ttl_s, user_metadata=md)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:

@@ -19,10 +19,11 @@ of the name>`, schemas/tinker.py).
 - Lists are newest first: runs by creation, checkpoints by time. A page is `limit`
   (1 to MAX_PAGE) items from `offset` (0 to MAX_OFFSET); the cursor counts them all.
 - A run's `user_metadata` is its create_model's (or create_training_client_from_state's);
-  a save's, and its `expires_at` (its ttl_seconds after the save was asked for), the
-  save's own; a save asked for again without them has none. Each is checked by
-  wire.check_metadata / wire.check_ttl (a 400 naming the field). `expire`, every
-  EXPIRE_EVERY_S in the service's loop, deletes the saves whose time has come (their
+  a save's, and its `expires_at` (its ttl_seconds after the save was written), the
+  save's own, kept by the learner once it has written the save (TinkerOp.ttl_s /
+  user_metadata; a save it refuses changes nothing); a save written again without them
+  has none. Each is checked by wire.check_metadata / wire.check_ttl (a 400 naming the
+  field). `expire`, every EXPIRE_EVERY_S in the service's loop, deletes the saves whose time has come (their
   objects, so their room in `store_bytes_per_user` is free again) and the metadata of
   runs whose job record is gone.
 
@@ -46,7 +47,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError, ObjectNotFoundError
 from opentinker.schemas import JobRecord, decode, encode
 from opentinker.schemas import subjects as S
 from opentinker.schemas.tinker import (CHECKPOINT_NAME_RE, SAMPLER_FOLDER, STATE_FOLDER, TinkerCheckpointMeta,
-                                       TinkerRunMeta, TinkerSession, save_object)
+                                       TinkerRunMeta, TinkerSession, checkpoint_key, save_object)
 from opentinker.services.core.bus import Bus
 from opentinker.services.tinker import wire
 from opentinker.services.tinker.sessions import LORA_MODULES, ApiError
@@ -187,12 +188,6 @@ def run_key(job_id: str) -> str:
     return f"run.{job_id}"
 
 
-def checkpoint_key(job_id: str, kind: str, name: str) -> str:
-    """The KV `ot_tinker` key of the TinkerCheckpointMeta of a save (its name in hex: a
-    save name may hold dots, which a key's tokens may not run together)."""
-    return f"ckpt.{job_id}.{kind}.{name.encode().hex()}"
-
-
 def weights_info(rec: JobRecord) -> dict:
     """tinker.types.WeightsInfoResponse of a save of the model job record `rec`: its base
     model and LoRA (the modules it trains; the unembedding never, sessions.LORA_MODULES)."""
@@ -245,21 +240,6 @@ class Runs:
         kv = await self.bus.kv(S.KV_TINKER)
         if user_metadata:
             await kv.put(run_key(job_id), encode(TinkerRunMeta(job_id=job_id, user=user, user_metadata=user_metadata)))
-
-    async def note_save(self, user: str, job_id: str, kind: str, name: str, ttl_s: int,
-                        user_metadata: dict[str, str], now: float | None = None) -> None:
-        """Keep a save's expiry (`ttl_s` from `now`; 0: never) and user metadata (both
-        checked already), replacing what an earlier save of the name had."""
-        kv = await self.bus.kv(S.KV_TINKER)
-        key = checkpoint_key(job_id, kind, name)
-        if not ttl_s and not user_metadata:
-            with contextlib.suppress(KeyNotFoundError):
-                await kv.purge(key)
-            return
-        now = time.time() if now is None else now
-        await kv.put(key, encode(TinkerCheckpointMeta(job_id=job_id, user=user, kind=kind, name=name,
-                                                      expires_s=now + ttl_s if ttl_s else 0.0,
-                                                      user_metadata=user_metadata)))
 
     async def _metas(self) -> tuple[dict[str, TinkerRunMeta], dict[tuple[str, str, str], TinkerCheckpointMeta]]:
         """Every run's metadata by job id, every save's by (job id, kind, name)."""

@@ -474,7 +474,9 @@ async def test_stable_reinforce_trains_on_recorded_samples_and_refuses_forged_or
         with pytest.raises(tinker.RequestFailedError, match=r"overwrite=True"):
             tc.save_state("short-lived", user_metadata={"step": "2"}).result()
         assert tc.save_state("twice", user_metadata={"n": "1"}, overwrite=True).result().path.endswith("/twice")
-        first, second = tc.save_state("again"), tc.save_state("again")
+        # (the refused second's metadata is not kept: the first's stays, listed below)
+        first = tc.save_state("again", user_metadata={"n": "first"})
+        second = tc.save_state("again", user_metadata={"n": "second"}, ttl_seconds=3600)
         assert first.result().path.endswith("/again")
         with pytest.raises(tinker.RequestFailedError, match=r"save named 'again'"):
             second.result()
@@ -511,6 +513,8 @@ async def test_stable_reinforce_trains_on_recorded_samples_and_refuses_forged_or
     assert ckpt.user_metadata == {"step": "1"} and 3590 < ckpt.expires_at.timestamp() - time.time() <= 3600
     (twice,) = [c for c in ckpts.checkpoints if c.tinker_path.endswith("/weights/twice")]
     assert twice.user_metadata == {"n": "2"}  # overwritten, metadata and all
+    (again,) = [c for c in ckpts.checkpoints if c.tinker_path.endswith("/weights/again")]
+    assert again.user_metadata == {"n": "first"} and again.expires_at is None, again
 
     # a new session (a recipe resumed) names the old session's sequences: refused
     def second(sc):
