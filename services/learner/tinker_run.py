@@ -244,8 +244,8 @@ class TinkerRun(RunLifecycle):
                           "a finished job's are deleted with its record (job_retention_days, "
                           "finished_jobs_per_user)")
 
-    async def note_save(self, op: TinkerOp, kind: str, now: float | None = None) -> None:
-        """Keep a written save's expiry (op.ttl_s from `now`; 0: never) and user metadata
+    async def note_save(self, op: TinkerOp, kind: str) -> None:
+        """Keep a written save's expiry (op.ttl_s from now; 0: never) and user metadata
         (TinkerCheckpointMeta, KV `ot_tinker`, checkpoint_key), replacing what an earlier
         save of the name had; neither: the key is purged. Called only after the save is
         written, so a refused save leaves the name's earlier metadata alone."""
@@ -255,10 +255,9 @@ class TinkerRun(RunLifecycle):
             with contextlib.suppress(KeyNotFoundError):
                 await kv.purge(key)
             return
-        now = time.time() if now is None else now
         await kv.put(key, encode(TinkerCheckpointMeta(
             job_id=self.job_id, user=self.tenant.user, kind=kind, name=op.name,
-            expires_s=now + op.ttl_s if op.ttl_s else 0.0, user_metadata=op.user_metadata)))
+            expires_s=time.time() + op.ttl_s if op.ttl_s else 0.0, user_metadata=op.user_metadata)))
 
     async def save_named(self, name: str, overwrite: bool) -> None:
         """Weights and optimizer state under `name` (checkpoint.object_name). Raises

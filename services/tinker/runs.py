@@ -23,9 +23,9 @@ of the name>`, schemas/tinker.py).
   save's own, kept by the learner once it has written the save (TinkerOp.ttl_s /
   user_metadata; a save it refuses changes nothing); a save written again without them
   has none. Each is checked by wire.check_metadata / wire.check_ttl (a 400 naming the
-  field). `expire`, every EXPIRE_EVERY_S in the service's loop, deletes the saves whose time has come (their
-  objects, so their room in `store_bytes_per_user` is free again) and the metadata of
-  runs whose job record is gone.
+  field). `expire`, every EXPIRE_EVERY_S in the service's loop, deletes the saves whose
+  time has come (their objects, so their room in `store_bytes_per_user` is free again)
+  and the metadata of runs whose job record is gone.
 
 Another user's run answers 404, as one that does not exist, to every call (its
 checkpoints' listing, deletion and weights info included).
