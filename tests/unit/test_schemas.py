@@ -88,3 +88,32 @@ def test_every_schema_struct_gets_a_decoder():
     for kind in structs:
         msgspec.msgpack.Decoder(kind)
         msgspec.json.Decoder(kind)
+
+
+# packages whose modules need an optional dependency this suite does not install
+_OPTIONAL = ("opentinker.environment.android_world",)
+
+
+def test_every_struct_of_the_package_gets_a_decoder():
+    """The same check for the Structs the services, SDK and CLI define (the Tinker API's
+    request bodies and run records, the settings file, the simulated user's scenarios):
+    every module of the package imported (not its `__main__`s), every Struct defined
+    there given a msgpack and a JSON decoder."""
+    import importlib
+    import pkgutil
+
+    found = []
+    for name in ("opentinker.services", "opentinker.sdk", "opentinker.cli", "opentinker.client",
+                 "opentinker.environment", "opentinker.ops"):
+        pkg = importlib.import_module(name)
+        for mod in pkgutil.walk_packages(pkg.__path__, f"{name}.",
+                                         onerror=lambda n: None if n.startswith(_OPTIONAL) else pytest.fail(n)):
+            if mod.name.rsplit(".", 1)[-1] == "__main__" or mod.name.startswith(_OPTIONAL):
+                continue
+            module = importlib.import_module(mod.name)
+            found += [v for v in vars(module).values()
+                      if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == mod.name]
+    assert len(found) > 15, found
+    for kind in found:
+        msgspec.msgpack.Decoder(kind)
+        msgspec.json.Decoder(kind)
