@@ -14,9 +14,12 @@ machine; `tiny` is the tests' 2-layer model, for a check on a CPU):
   (bfloat16 on CUDA). transformers' own `generate` with its default cache and with
   `cache_implementation="static"` (on CUDA transformers compiles that forward itself:
   its docs, "Static cache and torch.compile"), against OpenTinker's transformers engine
-  (engine_hf.HFEngine) with the growing cache and with its `compiled` decode. Median of
-  --reps calls after a warm-up call (its time reported as warmup_s: the compile).
-  ratio: OpenTinker's best against the library's best (time; <= 1.5 is the target).
+  (engine_hf.HFEngine) with the growing cache and with its `compiled` decode, each both
+  with a seed per row, as a job's rollout calls it (`opentinker_<decode>`), and without
+  (`opentinker_<decode>_unseeded`: one draw from the engine's generator for the batch).
+  Median of --reps calls after a warm-up call (its time reported as warmup_s: the
+  compile). ratio: OpenTinker's best seeded against the library's best (time; <= 1.5 is
+  the target).
 - sync: one policy version from the learner to the rollout engine, in process: the
   learner's `weights_bytes` (TrainEngine; LoRA: the adapter, full: every weight in
   bfloat16), then the rollout's decode, sha256 check, LoRA merge where the engine's
@@ -163,23 +166,25 @@ def bench_gen(model_dir: str, device: str, reps: int, decodes: list[str]) -> dic
         eng = HFEngine(model_dir, device=device, dtype=dtype, decode=decode)
         eng.stop_ids = set()  # 32 tokens a row, as min_new_tokens makes transformers do
         sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS)
-        made = []
+        # a job's rollout seeds every row (agent_loop.sample_seed); the unseeded call after
+        for name, seeds in ((f"opentinker_{decode}", list(range(len(batch)))),
+                            (f"opentinker_{decode}_unseeded", None)):
+            made = []
 
-        def run(eng=eng, sp=sp, made=made):
-            made.append(eng.generate(batch, sp))
+            def run(eng=eng, sp=sp, made=made, seeds=seeds):
+                made.append(eng.generate(batch, sp, seeds=seeds))
 
-        warm = timed(run, device)
-        times = [timed(run, device) for _ in range(reps)]
-        tokens = sum(len(o.token_ids) for o in made[-1])
-        out["systems"][f"opentinker_{decode}"] = {**_median(times), "warmup_s": warm, "tokens": tokens,
-                                                  "tokens_per_s": tokens / statistics.median(times),
-                                                  "decode": eng.decode}
-        print(f"gen opentinker {decode}: {statistics.median(times) * 1e3:.0f} ms (warm-up {warm:.1f} s)", flush=True)
+            warm = timed(run, device)
+            times = [timed(run, device) for _ in range(reps)]
+            tokens = sum(len(o.token_ids) for o in made[-1])
+            out["systems"][name] = {**_median(times), "warmup_s": warm, "tokens": tokens,
+                                    "tokens_per_s": tokens / statistics.median(times), "decode": eng.decode}
+            print(f"gen {name}: {statistics.median(times) * 1e3:.0f} ms (warm-up {warm:.1f} s)", flush=True)
         del eng
         gc.collect()
     sy = out["systems"]
     lib = min(v["median_s"] for k, v in sy.items() if k.startswith("transformers"))
-    ours = min(v["median_s"] for k, v in sy.items() if k.startswith("opentinker"))
+    ours = min(v["median_s"] for k, v in sy.items() if k.startswith("opentinker") and not k.endswith("_unseeded"))
     out["ratio_ours_best_vs_library_best"] = ours / lib
     return out
 
@@ -474,7 +479,9 @@ def report(res: dict[str, Any]) -> str:
     g = parts.get("gen", {})
     if "systems" in g:
         sy = g["systems"]
-        best = lambda pre: min((v["median_s"], k) for k, v in sy.items() if k.startswith(pre))  # noqa: E731
+        # ours as a job runs it: seeded
+        best = lambda pre: min((v["median_s"], k) for k, v in sy.items()  # noqa: E731
+                               if k.startswith(pre) and not k.endswith("_unseeded"))
         (o, ok), (lb, lk) = best("opentinker"), best("transformers")
         rows.append((f"generation ({g['size']}, {g['rows']} x {g['new_tokens']} tokens, {g['dtype']})",
                      f"{ok} {o * 1e3:.0f} ms, {lk} {lb * 1e3:.0f} ms: {o / lb:.2f}x", f"<= {TARGETS['gen']}x"))

@@ -59,12 +59,16 @@ def stop_token_ids(generation_config, tokenizer) -> set[int]:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None,
-           generator: torch.Generator | Sequence[torch.Generator] | None = None,
-           top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None = None, top_k: torch.Tensor | None = None,
+           uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return (token [B] int64, logprob [B] float32).
 
-    generator: one for the batch, or one per row (a seeded request's own: its draws do
-    not depend on the rows beside it).
+    Row i takes the token where its cumulative probability first exceeds a uniform draw
+    u_i (inversion, Devroye 1986, "Non-Uniform Random Variate Generation" §2.1), every
+    row at once: one cumulative sum over the batch's vocabulary (float64) and one search.
+    uniforms: [B] float64 in [0, 1), the draws (a seeded request brings its own,
+    per_request_uniforms, so its tokens do not depend on the rows beside it); None: B
+    draws from `generator` (None: torch's default).
     logits: [B, V] float32; temperature, top_p: [B] (top_p None: 1 for every row); top_k:
     [B] int64 or None (k <= 0 keeps every token). A caller that knows no row filters
     passes None: each check of a tensor here is a wait for the device. A row with
@@ -88,21 +92,31 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor 
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
     logp = x.log_softmax(-1)
     probs = logp.exp()
-    if isinstance(generator, Sequence):
-        sampled = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)[:, 0] for i, g in enumerate(generator)])
-    else:
-        sampled = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    if uniforms is None:
+        uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    at = (uniforms.to(cdf) * cdf[:, -1])[:, None]  # the total, not 1: the float sum's own
+    # right=True: the first token whose cdf exceeds the draw, never a zero-probability one
+    sampled = torch.searchsorted(cdf, at, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
     token = torch.where(greedy, logits.argmax(-1), sampled)
     return token, logp.gather(-1, token[:, None])[:, 0]
 
 
-def per_request_generators(seeds: Sequence[int | None] | None, n: int, device: torch.device,
-                           shared: torch.Generator) -> list[torch.Generator] | None:
-    """One generator per prompt: its own, seeded with its seed, or `shared` where its
-    seed is None; None for no seeds. Raises ValueError unless one seed per prompt."""
+def per_request_uniforms(seeds: Sequence[int | None] | None, limits: Sequence[int],
+                         shared: torch.Generator) -> torch.Tensor | None:
+    """The draws of a seeded batch: [n, max(limits)] float64 in [0, 1) on the host, row i's
+    first limits[i] (one a token) from a CPU generator seeded with seeds[i], or from
+    `shared` (a CPU generator) where that seed is None; the rest 0.5, never read. A CPU
+    generator's draws come in order, so a row's are a prefix of its seed's stream,
+    whatever its limit or the rows beside it. None for no seeds. Raises ValueError unless
+    one seed per prompt."""
     if seeds is None:
         return None
-    return [shared if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds_per_prompt(seeds, n)]
+    out = torch.full((len(limits), max(limits)), 0.5, dtype=torch.float64)
+    for i, (s, n) in enumerate(zip(seeds_per_prompt(seeds, len(limits)), limits)):
+        g = shared if s is None else torch.Generator().manual_seed(s)
+        out[i, :n] = torch.rand(n, generator=g, dtype=torch.float64)
+    return out
 
 
 class HFEngine:
@@ -150,6 +164,7 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.stop_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.host_generator = torch.Generator().manual_seed(seed)  # unseeded rows of a seeded batch
         # no fused parameters: every checkpoint tensor loads on its own
         self.packed_modules: dict[str, list[str]] = {}
         self._w0: dict[str, torch.Tensor] = {}  # a parameter's loaded value, kept at its first change
@@ -166,9 +181,9 @@ class HFEngine:
         prompts: token ids; sampling: one for all or one per prompt; max_new_tokens:
         an optional per-prompt cap below `sampling.max_new_tokens`; images: per prompt,
         its images (PNG/JPEG bytes) in placeholder order; seeds: per prompt, the seed of
-        its own generator (its completion is then a function of the seed, the prompt and
-        the weights, whatever else is in the batch); None (all, or a prompt's): the
-        engine's generator.
+        its own draws (per_request_uniforms: its completion is then a function of the
+        seed, the prompt and the weights, whatever else is in the batch); None (all, or a
+        prompt's): the engine's generator.
         Raises ValueError for a prompt that leaves no room under max_model_len, images
         for a text model, or seeds not one per prompt.
         """
@@ -182,11 +197,12 @@ class HFEngine:
                 raise ValueError(f"prompt {i} has {len(prompts[i])} tokens: no room under "
                                  f"max_model_len {self.max_model_len}")
         imgs = [list(x) for x in images] if images is not None else [[] for _ in prompts]
-        gens = per_request_generators(seeds, len(prompts), self.device, self.generator)
+        draws = per_request_uniforms(seeds, limits, self.host_generator)
         out: list[GenOut] = []
         for at in range(0, len(prompts), MAX_BATCH):
             sl = slice(at, at + MAX_BATCH)
-            args = (prompts[sl], sps[sl], limits[sl], [b for x in imgs[sl] for b in x], gens and gens[sl])
+            args = (prompts[sl], sps[sl], limits[sl], [b for x in imgs[sl] for b in x],
+                    None if draws is None else draws[sl])
             try:
                 out += self._generate(*args)
             except Exception as e:  # noqa: BLE001 - the compile's own failure, whatever its type
@@ -207,7 +223,7 @@ class HFEngine:
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], sps: list[SamplingParams], limits: list[int],
-                  images: list[bytes], gens: list[torch.Generator] | None = None) -> list[GenOut]:
+                  images: list[bytes], draws: torch.Tensor | None = None) -> list[GenOut]:
         b, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((b, width), dtype=torch.long)
@@ -234,18 +250,21 @@ class HFEngine:
             full = attn.new_zeros((rows, length))  # the whole cache's mask, one fixed shape
             full[:, :width] = attn
             temp, top_p, top_k = (torch.cat([x, x[-1:].expand(pad)]) for x in (temp, top_p, top_k))
-            gens = gens and gens + [self.generator] * pad  # padding rows draw from the engine's
+            if draws is not None:  # padding rows' draws: never read
+                draws = torch.cat([draws, draws.new_full((pad, draws.shape[1]), 0.5)])
             step = self._decode_step or self.model
         # the images go to the prefill only: the KV cache holds them after it
         res = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
                          past_key_values=cache if static else None, **self._vision(images))
+        if draws is not None:
+            draws = draws.to(self.device)  # one transfer for the whole generation
         tokens: list[list[int]] = [[] for _ in range(b)]
         logprobs: list[list[float]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         live = [True] * b
         for n in range(max(limits)):
-            tok, lp = sample(res.logits[:, -1].float(), temp, top_p if nucleus else None, gens or self.generator,
-                             top_k if k_filter else None)
+            tok, lp = sample(res.logits[:, -1].float(), temp, top_p if nucleus else None, self.generator,
+                             top_k if k_filter else None, None if draws is None else draws[:, n])
             # one transfer from the device a step: ids are exact in float64
             toks, lps = torch.stack([tok[:b].double(), lp[:b].double()]).tolist()
             for i, (t, logp) in enumerate(zip(map(int, toks), lps)):

@@ -36,7 +36,7 @@ def test_generation_makes_the_same_tokens_on_every_side_and_a_lora_version_moves
     assert G.make_model("tiny", smollm2, tmp_path / "tiny") == model  # made once
     gen = G.bench_gen(model, "cpu", 1, ["dynamic", "static"])
     assert set(gen["systems"]) == {"transformers_generate", "transformers_generate_static", "opentinker_dynamic",
-                                   "opentinker_static"}
+                                   "opentinker_static", "opentinker_dynamic_unseeded", "opentinker_static_unseeded"}
     assert {v["tokens"] for v in gen["systems"].values()} == {G.ROWS * G.NEW_TOKENS}
     assert gen["ratio_ours_best_vs_library_best"] > 0
     sync = G.bench_sync(model, "cpu", 1, ["lora"])

@@ -96,6 +96,36 @@ def test_prompt_top_k_are_the_k_most_likely_tokens_most_likely_first_and_hold_th
     assert all((top[t, :-1] >= top[t, 1:]).all() and top[t, 0] >= lps[t] - 1e-6 for t in range(1, len(prompt)))
 
 
+def test_draws_from_uniforms_follow_the_filtered_distribution():
+    """Inversion: row i takes the first token whose cumulative probability exceeds its
+    uniform, after the same top-k / top-p filtering; a filtered token is never taken,
+    not even at a draw of 0 or just under 1."""
+    from opentinker.services.rollout.engine_hf import per_request_uniforms, sample
+
+    n = 20000
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(n, 1)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    tok, lp = sample(logits, torch.ones(n), None, uniforms=u)
+    p = logits[0].softmax(-1)
+    freq = torch.bincount(tok, minlength=5).double() / n
+    assert torch.allclose(freq[:4], p[:4].double(), atol=0.012), (freq, p)
+    assert torch.allclose(lp, logits[0].log_softmax(-1)[tok], atol=1e-5)
+    # the draw is monotone in u: sorted draws give sorted tokens
+    assert torch.equal(sample(logits, torch.ones(n), None, uniforms=u.sort().values)[0], tok.sort().values)
+    edge = torch.tensor([0.0, 1.0 - 1e-16, 0.5], dtype=torch.float64)
+    tok, _ = sample(logits[:3], torch.ones(3), torch.full((3,), 0.8), uniforms=edge)
+    assert set(tok.tolist()) <= {0, 1} and tok[0] == 0 and tok[1] == 1  # top_p 0.8 keeps two
+    tok, _ = sample(logits[:3], torch.ones(3), None, top_k=torch.full((3,), 1), uniforms=edge)
+    assert tok.tolist() == [0, 0, 0]
+    # a row's draws are its seed's stream, whatever its limit or neighbours
+    a = per_request_uniforms([7, None, 9], [3, 5, 2], torch.Generator().manual_seed(0))
+    b = per_request_uniforms([9, 7], [6, 1], torch.Generator().manual_seed(0))
+    assert a.shape == (3, 5) and torch.equal(a[2, :2], b[0, :2]) and torch.equal(a[0, :1], b[1, :1])
+    assert per_request_uniforms(None, [3], torch.Generator()) is None
+    with pytest.raises(ValueError, match="1 seeds for 2 prompts"):
+        per_request_uniforms([1], [3, 3], torch.Generator())
+
+
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_a_seeded_completion_does_not_depend_on_its_batch(tiny_model, decode):
     """Per-request seeds: each row draws from its own generator, so a seeded prompt's
@@ -112,6 +142,8 @@ def test_a_seeded_completion_does_not_depend_on_its_batch(tiny_model, decode):
     assert alone == first[2:3]
     mixed = eng.generate(prompts[::-1] + [[1, 99]] * 2, sp, seeds=seeds[::-1] + [None] * 2)
     assert [o.token_ids for o in mixed[:5]][::-1] == first
+    shorter = eng.generate(prompts[2:3], SamplingParams(temperature=1.0, max_new_tokens=4), seeds=seeds[2:3])
+    assert shorter[0].token_ids == first[2][:4]  # a shorter limit: the same first draws
     other = [o.token_ids for o in eng.generate(prompts, sp, seeds=[s + 100 for s in seeds])]
     assert sum(a != b for a, b in zip(other, first)) >= 4
     with pytest.raises(ValueError, match="2 seeds for 5 prompts"):
