@@ -156,6 +156,34 @@ def test_the_transformers_engine_on_cuda_decodes_compiled_and_merges_lora_on_the
 
 
 @pytest.mark.timeout(900)
+def test_a_seeded_row_on_cuda_draws_as_on_the_cpu_whatever_its_batch(tiny_model):
+    """A seeded row's draws come from its seed's CPU stream (per_request_uniforms), one
+    transfer a generation, and the whole batch samples at once: on CUDA its completion
+    does not depend on the rows beside it (compiled decode too), and its logprobs are
+    those the CPU engine computes for the same tokens."""
+    from opentinker.schemas import SamplingParams
+    from opentinker.services.rollout.engine_hf import HFEngine
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12)
+    prompts = [[1, 20 + i, 30, 40] for i in range(6)]
+    seeds = [101, 102, 103, 104, 105, 106]
+    for decode in ("dynamic", "auto"):
+        eng = HFEngine(tiny_model, device="cuda", decode=decode)
+        first = [o.token_ids for o in eng.generate(prompts, sp, seeds=seeds)]
+        alone = eng.generate(prompts[3:4], sp, seeds=seeds[3:4])
+        mixed = eng.generate(prompts[::-1] + [[1, 99]], sp, seeds=seeds[::-1] + [None])
+        assert alone[0].token_ids == first[3], decode
+        assert [o.token_ids for o in mixed[:6]][::-1] == first, decode
+        del eng
+        gc.collect()
+    cpu = HFEngine(tiny_model, device="cpu")
+    mine = cpu.generate(prompts[3:4], sp, seeds=seeds[3:4])[0]
+    # the same uniforms: where the two devices' probabilities agree the tokens agree
+    n = next((i for i, (a, b) in enumerate(zip(mine.token_ids, alone[0].token_ids)) if a != b), len(mine.token_ids))
+    assert n >= 4 and all(abs(a - b) < 1e-3 for a, b in zip(mine.logprobs[:n], alone[0].logprobs[:n]))
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
 def test_the_data_parallel_learner_on_every_gpu_trains_as_one_rank(tmp_path, tiny_model):
     from conftest import run_ranks
