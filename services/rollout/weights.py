@@ -116,8 +116,10 @@ def merge_lora(base: Mapping[str, torch.Tensor],
         if (b.shape[0], a.shape[1]) != tuple(w0.shape):
             raise WeightsError(f"adapter for {name!r} is {b.shape[0]}x{a.shape[1]}, "
                                f"the base weight is {tuple(w0.shape)}")
-        # on W0's device: an engine whose weights live on the GPU merges there
-        merged = w0.to(torch.float32) + scale * (b.to(w0.device, torch.float32) @ a.to(w0.device, torch.float32))
+        # on W0's device: an engine whose weights live on the GPU merges there; one addmm
+        # (W0 + scale * B @ A in a single pass, no temporaries of W0's size)
+        merged = torch.addmm(w0.to(torch.float32), b.to(w0.device, torch.float32), a.to(w0.device, torch.float32),
+                             alpha=scale)
         out[name] = merged if dtype is None else merged.to(dtype)
     return out
 
