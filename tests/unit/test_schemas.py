@@ -64,47 +64,18 @@ def test_job_ids_cannot_forge_subjects():
             S.job(bad, "traj")
 
 
-def _bus_structs() -> list[type]:
-    """Every msgspec Struct the schemas package defines (its modules' own, not imports)."""
-    import importlib
-    import pkgutil
-
-    import opentinker.schemas as pkg
-
-    found = []
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        module = importlib.import_module(f"{pkg.__name__}.{mod.name}")
-        found += [v for v in vars(module).values()
-                  if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == module.__name__]
-    return found
-
-
-def test_every_schema_struct_gets_a_decoder():
-    """msgspec checks a type's constraints when a decoder is built, not when the module
-    is imported: a bound it cannot hold (an integer bound outside int64, such as
-    `lt=2**63`) raised only at the first decode of that message, inside a service."""
-    structs = _bus_structs()
-    assert len(structs) > 30
-    for kind in structs:
-        msgspec.msgpack.Decoder(kind)
-        msgspec.json.Decoder(kind)
-
-
 # packages whose modules need an optional dependency this suite does not install
 _OPTIONAL = ("opentinker.environment.android_world",)
 
 
-def test_every_struct_of_the_package_gets_a_decoder():
-    """The same check for the Structs the services, SDK and CLI define (the Tinker API's
-    request bodies and run records, the settings file, the simulated user's scenarios):
-    every module of the package imported (not its `__main__`s), every Struct defined
-    there given a msgpack and a JSON decoder."""
+def _structs(*packages: str) -> list[type]:
+    """Every msgspec Struct the modules of `packages` (and their subpackages) define (a
+    module's own, not its imports); not `__main__`s, nor the _OPTIONAL packages."""
     import importlib
     import pkgutil
 
     found = []
-    for name in ("opentinker.services", "opentinker.sdk", "opentinker.cli", "opentinker.client",
-                 "opentinker.environment", "opentinker.ops"):
+    for name in packages:
         pkg = importlib.import_module(name)
         for mod in pkgutil.walk_packages(pkg.__path__, f"{name}.",
                                          onerror=lambda n: None if n.startswith(_OPTIONAL) else pytest.fail(n)):
@@ -113,7 +84,30 @@ def test_every_struct_of_the_package_gets_a_decoder():
             module = importlib.import_module(mod.name)
             found += [v for v in vars(module).values()
                       if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == mod.name]
-    assert len(found) > 15, found
-    for kind in found:
+    return found
+
+
+def _assert_decoders(structs: list[type]) -> None:
+    for kind in structs:
         msgspec.msgpack.Decoder(kind)
         msgspec.json.Decoder(kind)
+
+
+def test_every_schema_struct_gets_a_decoder():
+    """msgspec checks a type's constraints when a decoder is built, not when the module
+    is imported: a bound it cannot hold (an integer bound outside int64, such as
+    `lt=2**63`) raised only at the first decode of that message, inside a service."""
+    structs = _structs("opentinker.schemas")
+    assert len(structs) > 30
+    _assert_decoders(structs)
+
+
+def test_every_struct_of_the_package_gets_a_decoder():
+    """The same check for the Structs the services, SDK and CLI define (the Tinker API's
+    request bodies and run records, the settings file, the simulated user's scenarios):
+    every module of the package imported (not its `__main__`s), every Struct defined
+    there given a msgpack and a JSON decoder."""
+    found = _structs("opentinker.services", "opentinker.sdk", "opentinker.cli", "opentinker.client",
+                     "opentinker.environment", "opentinker.ops")
+    assert len(found) > 15, found
+    _assert_decoders(found)
